@@ -1,0 +1,171 @@
+"""ModelConfig: the static shape of a qwen35 / qwen35moe model, read from GGUF metadata (SPEC-qwen35 §1, §9)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+SUPPORTED_ARCHS = ("qwen35", "qwen35moe")
+
+
+class ModelFormatError(ValueError):
+    """A GGUF file that cannot be loaded: names the file, the item and what was expected."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_vocab: int
+    n_embd: int  # E
+    n_layer: int  # trunk layers L (MTP blocks excluded)
+    n_mtp: int  # MTP ("nextn") blocks after the trunk; 0 or 1
+    n_head: int  # H
+    n_head_kv: int  # Hkv
+    head_dim: int  # D
+    rope_dim: int  # R, rotated dims per head
+    rope_theta: float
+    rope_sections: tuple[int, int, int, int]
+    norm_eps: float
+    conv_kernel: int  # Kc
+    ssm_state: int  # Dk (= Dv)
+    ssm_groups: int  # Hk
+    ssm_heads: int  # Hv
+    recurrent: tuple[bool, ...]  # per trunk layer: GDN (True) or full attention (False)
+    context_length: int
+    n_ff: int = 0  # dense SwiGLU width (qwen35)
+    n_expert: int = 0  # qwen35moe
+    n_expert_used: int = 0
+    n_ff_expert: int = 0
+    n_ff_shared: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def conv_channels(self) -> int:  # C = 2 Hk Dk + Hv Dv
+        return 2 * self.ssm_groups * self.ssm_state + self.ssm_heads * self.ssm_state
+
+    @property
+    def gdn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.recurrent) if r)
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.recurrent) if not r)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def rope_position_mask(self) -> np.ndarray:
+        """[R/2] float32: 1 for frequency slots rotated by the text position, 0 for slots imrope leaves at 0.
+
+        For text tokens imrope's t/h/w streams all carry the position and the `e` stream carries 0
+        (SPEC §4.4); slot i belongs to sector s = i mod sum(sections).
+        """
+        sect = self.rope_sections
+        total = sum(sect)
+        mask = np.zeros(self.rope_dim // 2, np.float32)
+        for i in range(self.rope_dim // 2):
+            s = i % total if total else 0
+            if (s % 3 == 0 and s < 3 * sect[0]) or (s % 3 == 1 and s < 3 * sect[1]) or (s % 3 == 2 and s < 3 * sect[2]):
+                mask[i] = 1.0
+        return mask
+
+
+def _field(reader, key: str, path: str, default=None, required: bool = False):
+    field = reader.fields.get(key)
+    if field is None:
+        if required:
+            raise ModelFormatError(f"{path}: missing metadata key '{key}'")
+        return default
+    value = field.contents()
+    return value
+
+
+def _scalar(value, key: str, path: str) -> int:
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ModelFormatError(f"{path}: '{key}' varies per layer ({value}); only uniform values are supported")
+        return value[0]
+    return value
+
+
+def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
+    """Build the config from a `gguf.GGUFReader`'s metadata; raises ModelFormatError naming what is wrong."""
+    arch = _field(reader, "general.architecture", path, required=True)
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelFormatError(f"{path}: unsupported architecture '{arch}' (expected one of {', '.join(SUPPORTED_ARCHS)})")
+
+    def get(key, default=None, required=False):
+        return _field(reader, f"{arch}.{key}", path, default, required)
+
+    n_embd = int(get("embedding_length", required=True))
+    block_count = int(get("block_count", required=True))
+    n_mtp = int(get("nextn_predict_layers", 0))
+    n_layer = block_count - n_mtp
+    n_head = int(_scalar(get("attention.head_count", required=True), "attention.head_count", path))
+    n_head_kv = int(_scalar(get("attention.head_count_kv", n_head), "attention.head_count_kv", path))
+    head_dim = int(get("attention.key_length", n_embd // n_head))
+    value_dim = int(get("attention.value_length", head_dim))
+    if value_dim != head_dim:
+        raise ModelFormatError(f"{path}: attention key_length {head_dim} != value_length {value_dim}")
+    sections = get("rope.dimension_sections", required=True)
+    sections = [sections] * 4 if isinstance(sections, int) else list(sections)
+    if len(sections) != 4:
+        raise ModelFormatError(f"{path}: rope.dimension_sections must have 4 entries, got {sections}")
+    ssm_heads = int(get("ssm.time_step_rank", required=True))
+    ssm_state = int(get("ssm.state_size", required=True))
+    inner = int(get("ssm.inner_size", required=True))
+    if inner != ssm_heads * ssm_state:
+        raise ModelFormatError(f"{path}: ssm.inner_size {inner} != time_step_rank {ssm_heads} x state_size {ssm_state}")
+    ssm_groups = int(get("ssm.group_count", required=True))
+    if ssm_heads % ssm_groups:
+        raise ModelFormatError(f"{path}: ssm.time_step_rank {ssm_heads} is not a multiple of ssm.group_count {ssm_groups}")
+
+    layer_kinds = get("attention.recurrent_layers")
+    if layer_kinds is not None:
+        recurrent = tuple(bool(x) for x in list(layer_kinds)[:n_layer])
+        if len(recurrent) != n_layer:
+            raise ModelFormatError(f"{path}: attention.recurrent_layers has {len(layer_kinds)} entries, expected {block_count}")
+    else:
+        interval = int(get("full_attention_interval", 4))
+        recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
+
+    tokens = _field(reader, "tokenizer.ggml.tokens", path)
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if tokens is not None else 0
+    n_expert = int(get("expert_count", 0))
+    n_expert_used = int(get("expert_used_count", 0))
+    n_ff = int(_scalar(get("feed_forward_length", 0), "feed_forward_length", path))
+    if arch == "qwen35moe" and n_expert == 0:
+        raise ModelFormatError(f"{path}: qwen35moe needs '{arch}.expert_count' > 0")
+    cfg = ModelConfig(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_mtp=n_mtp,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        rope_dim=int(get("rope.dimension_count", head_dim)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_sections=tuple(int(s) for s in sections),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
+        conv_kernel=int(get("ssm.conv_kernel", required=True)),
+        ssm_state=ssm_state,
+        ssm_groups=ssm_groups,
+        ssm_heads=ssm_heads,
+        recurrent=recurrent,
+        context_length=int(get("context_length", required=True)),
+        n_ff=n_ff,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_expert=int(get("expert_feed_forward_length", n_ff // max(n_expert_used, 1))) if n_expert else 0,
+        n_ff_shared=int(get("expert_shared_feed_forward_length", n_ff)) if n_expert else 0,
+    )
+    if n_mtp > 1:
+        raise ModelFormatError(f"{path}: {n_mtp} MTP blocks; exactly 0 or 1 is supported")
+    return cfg

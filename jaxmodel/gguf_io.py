@@ -1,0 +1,365 @@
+"""GGUF -> (ModelConfig, Weights) and Weights -> GGUF, in the tensor layout of SPEC-qwen35 §3."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from .config import ModelConfig, ModelFormatError, from_gguf
+from .weights import Attention, DenseFfn, GatedDeltaNet, Layer, MoeFfn, Mtp, Weights
+
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Open a GGUF file, turning every way it can be broken into one ModelFormatError that names the file."""
+    path = str(path)
+    if not os.path.isfile(path):
+        raise ModelFormatError(f"{path}: no such file")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as exc:  # the reader raises assorted errors on truncated or foreign files
+        raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise ModelFormatError(f"{path}: truncated: tensor '{t.name}' needs bytes up to {end}, file has {size}")
+    return reader
+
+
+class _Tensors:
+    """Name -> float32 numpy array, with type and shape checks that name the file and tensor."""
+
+    def __init__(self, reader: gguf.GGUFReader, path: str, keep_f16: bool):
+        self.path = path
+        self.keep_f16 = keep_f16
+        self.by_name = {t.name: t for t in reader.tensors}
+
+    def has(self, name: str) -> bool:
+        return name in self.by_name
+
+    def get(self, name: str, *shapes: tuple[int, ...]) -> np.ndarray:
+        t = self.by_name.get(name)
+        if t is None:
+            raise ModelFormatError(f"{self.path}: missing tensor '{name}' (expected shape {shapes[0]})")
+        if t.tensor_type not in SUPPORTED_TYPES:
+            names = ", ".join(q.name for q in SUPPORTED_TYPES)
+            raise ModelFormatError(f"{self.path}: tensor '{name}' has unsupported type {t.tensor_type.name} (supported: {names})")
+        data = np.asarray(t.data)
+        if t.tensor_type == QT.F16 and self.keep_f16:
+            array = data.astype(np.float16)
+        elif t.tensor_type in (QT.F32, QT.F16):
+            array = data.astype(np.float32)
+        else:
+            array = quants.dequantize(data, t.tensor_type).astype(np.float32)
+        for shape in shapes:
+            if tuple(array.shape) == tuple(shape):
+                return np.ascontiguousarray(array)
+        want = " or ".join(str(tuple(s)) for s in shapes)
+        raise ModelFormatError(f"{self.path}: tensor '{name}' has shape {tuple(array.shape)}, expected {want}")
+
+    def maybe(self, name: str, *shapes: tuple[int, ...]) -> np.ndarray | None:
+        return self.get(name, *shapes) if self.has(name) else None
+
+
+def _attention(ts: _Tensors, p: str, cfg: ModelConfig) -> Attention:
+    E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    if ts.has(p + "attn_qkv.weight"):
+        fused = ts.get(p + "attn_qkv.weight", (2 * H * D + 2 * Hkv * D, E))
+        q, k, v = np.split(fused, [2 * H * D, 2 * H * D + Hkv * D])
+        bias = ts.maybe(p + "attn_qkv.bias", (2 * H * D + 2 * Hkv * D,))
+        q_bias, k_bias, v_bias = np.split(bias, [2 * H * D, 2 * H * D + Hkv * D]) if bias is not None else (None,) * 3
+    else:
+        q = ts.get(p + "attn_q.weight", (2 * H * D, E))
+        k = ts.get(p + "attn_k.weight", (Hkv * D, E))
+        v = ts.get(p + "attn_v.weight", (Hkv * D, E))
+        q_bias = ts.maybe(p + "attn_q.bias", (2 * H * D,))
+        k_bias = ts.maybe(p + "attn_k.bias", (Hkv * D,))
+        v_bias = ts.maybe(p + "attn_v.bias", (Hkv * D,))
+    return Attention(
+        q=q, k=k, v=v,
+        o=ts.get(p + "attn_output.weight", (E, H * D)),
+        q_norm=ts.get(p + "attn_q_norm.weight", (D,)),
+        k_norm=ts.get(p + "attn_k_norm.weight", (D,)),
+        q_bias=q_bias, k_bias=k_bias, v_bias=v_bias,
+    )  # fmt: skip
+
+
+def _gdn(ts: _Tensors, p: str, cfg: ModelConfig) -> GatedDeltaNet:
+    E, C, Hv, Dv, Kc = cfg.n_embd, cfg.conv_channels, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
+    return GatedDeltaNet(
+        qkv=ts.get(p + "attn_qkv.weight", (C, E)),
+        gate=ts.get(p + "attn_gate.weight", (Hv * Dv, E)),
+        conv=ts.get(p + "ssm_conv1d.weight", (C, Kc)),
+        dt_bias=ts.get(p + "ssm_dt.bias", (Hv,)),
+        a=ts.get(p + "ssm_a", (Hv,)),
+        beta=ts.get(p + "ssm_beta.weight", (Hv, E)),
+        alpha=ts.get(p + "ssm_alpha.weight", (Hv, E)),
+        norm=ts.get(p + "ssm_norm.weight", (Dv,)),
+        out=ts.get(p + "ssm_out.weight", (E, Hv * Dv)),
+    )
+
+
+def _ffn(ts: _Tensors, p: str, cfg: ModelConfig) -> DenseFfn | MoeFfn:
+    E = cfg.n_embd
+    if not cfg.is_moe:
+        F = cfg.n_ff
+        return DenseFfn(
+            gate=ts.get(p + "ffn_gate.weight", (F, E)),
+            up=ts.get(p + "ffn_up.weight", (F, E)),
+            down=ts.get(p + "ffn_down.weight", (E, F)),
+        )
+    X, Fe, Fs = cfg.n_expert, cfg.n_ff_expert, cfg.n_ff_shared
+    if ts.has(p + "ffn_gate_up_exps.weight"):
+        gate, up = np.split(ts.get(p + "ffn_gate_up_exps.weight", (X, 2 * Fe, E)), 2, axis=1)
+    else:
+        gate = ts.get(p + "ffn_gate_exps.weight", (X, Fe, E))
+        up = ts.get(p + "ffn_up_exps.weight", (X, Fe, E))
+    return MoeFfn(
+        router=ts.get(p + "ffn_gate_inp.weight", (X, E)),
+        gate=gate,
+        up=up,
+        down=ts.get(p + "ffn_down_exps.weight", (X, E, Fe)),
+        shared_router=ts.get(p + "ffn_gate_inp_shexp.weight", (E,), (1, E)).reshape(E),
+        shared_gate=ts.get(p + "ffn_gate_shexp.weight", (Fs, E)),
+        shared_up=ts.get(p + "ffn_up_shexp.weight", (Fs, E)),
+        shared_down=ts.get(p + "ffn_down_shexp.weight", (E, Fs)),
+    )
+
+
+def _layer(ts: _Tensors, index: int, cfg: ModelConfig, recurrent: bool) -> Layer:
+    p = f"blk.{index}."
+    E = cfg.n_embd
+    return Layer(
+        attn_norm=ts.get(p + "attn_norm.weight", (E,)),
+        post_norm=ts.get(p + "post_attention_norm.weight", (E,)),
+        mixer=_gdn(ts, p, cfg) if recurrent else _attention(ts, p, cfg),
+        ffn=_ffn(ts, p, cfg),
+    )
+
+
+def read_gguf(
+    path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False
+) -> tuple[ModelConfig, Weights, gguf.GGUFReader]:
+    """Read config and numpy weights (float32, or f16 for F16 tensors with keep_f16); every defect raises
+    ModelFormatError naming the file and the tensor."""
+    path = str(path)
+    reader = open_gguf(path)
+    cfg = from_gguf(reader, path)
+    ts = _Tensors(reader, path, keep_f16)
+    V, E = cfg.n_vocab, cfg.n_embd
+    embed = ts.get("token_embd.weight", (V, E))
+    output_norm = ts.get("output_norm.weight", (E,))
+    output = ts.maybe("output.weight", (V, E))
+    output = embed if output is None else output
+    layers = tuple(_layer(ts, i, cfg, cfg.recurrent[i]) for i in range(cfg.n_layer))
+    mtp = None
+    if cfg.n_mtp and load_mtp:
+        p = f"blk.{cfg.n_layer}.nextn."
+        mtp = Mtp(
+            eh_proj=ts.get(p + "eh_proj.weight", (E, 2 * E)),
+            enorm=ts.get(p + "enorm.weight", (E,)),
+            hnorm=ts.get(p + "hnorm.weight", (E,)),
+            head_norm=_or(ts.maybe(p + "shared_head_norm.weight", (E,)), output_norm),
+            embed=_or(ts.maybe(p + "embed_tokens.weight", (V, E)), embed),
+            head=_or(ts.maybe(p + "shared_head_head.weight", (V, E)), output),
+            layer=_layer(ts, cfg.n_layer, cfg, recurrent=False),
+        )
+    elif not load_mtp:
+        cfg = cfg.replace(n_mtp=0)
+    weights = Weights(embed=embed, output_norm=output_norm, output=output, layers=layers, mtp=mtp)
+    return cfg, weights, reader
+
+
+def _or(value, fallback):
+    return fallback if value is None else value
+
+
+def to_device(weights: Weights) -> Weights:
+    """numpy -> jax arrays of the same dtype, shared (tied) arrays staying shared."""
+    seen: dict[int, object] = {}
+
+    def put(x):
+        if id(x) not in seen:
+            seen[id(x)] = jnp.asarray(x)
+        return seen[id(x)]
+
+    return jax.tree_util.tree_map(put, weights)
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+_EXPORT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+
+
+def bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character map, indexed by byte value."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def byte_level_vocab(n_vocab: int) -> dict:
+    """A GPT-2 byte-level vocabulary with no merges, padded to n_vocab, with Qwen's three special tokens last."""
+    byte_tokens = bytes_to_unicode()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    if n_vocab < len(byte_tokens) + len(specials):
+        raise ValueError(f"n_vocab {n_vocab} is below the {len(byte_tokens) + len(specials)} byte and special tokens")
+    pads = [f"[PAD{i}]" for i in range(n_vocab - len(byte_tokens) - len(specials))]
+    tokens = byte_tokens + pads + specials
+    types = [1] * len(byte_tokens) + [5] * len(pads) + [3] * len(specials)
+    return {"tokens": tokens, "token_type": types, "merges": [], "eos": n_vocab - 1, "bos": n_vocab - 3}
+
+
+def write_gguf(
+    path: str | os.PathLike,
+    cfg: ModelConfig,
+    weights: Weights,
+    *,
+    vocab: dict | None = None,
+    dtype: str = "f32",
+    name: str = "gdnspec",
+    chat_template: str | None = None,
+) -> None:
+    """Write `weights` as a GGUF llama.cpp can load (SPEC §3, §9). 2-D matmul weights take `dtype`; norms,
+    biases, conv and SSM vectors stay F32. vocab: {"tokens", "token_type", "merges", "eos", "bos"}."""
+    if dtype not in _EXPORT_TYPES:
+        raise ValueError(f"unsupported export dtype '{dtype}' (one of {', '.join(_EXPORT_TYPES)})")
+    qtype = _EXPORT_TYPES[dtype]
+    vocab = vocab or byte_level_vocab(cfg.n_vocab)
+    arch = cfg.arch
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_context_length(cfg.context_length)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_block_count(cfg.n_layer + cfg.n_mtp)
+    if cfg.n_ff:
+        w.add_feed_forward_length(cfg.n_ff)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head_kv)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rope_dim)
+    w.add_rope_dimension_sections(list(cfg.rope_sections))
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state)
+    w.add_ssm_group_count(cfg.ssm_groups)
+    w.add_ssm_time_step_rank(cfg.ssm_heads)
+    w.add_ssm_inner_size(cfg.ssm_heads * cfg.ssm_state)
+    w.add_array(f"{arch}.attention.recurrent_layers", [bool(r) for r in cfg.recurrent] + [False] * cfg.n_mtp)
+    interval = _interval(cfg.recurrent)
+    if interval:
+        w.add_full_attention_interval(interval)
+    if cfg.n_mtp:
+        w.add_nextn_predict_layers(cfg.n_mtp)
+    if cfg.is_moe:
+        w.add_expert_count(cfg.n_expert)
+        w.add_expert_used_count(cfg.n_expert_used)
+        w.add_expert_feed_forward_length(cfg.n_ff_expert)
+        w.add_expert_shared_feed_forward_length(cfg.n_ff_shared)
+    w.add_file_type({QT.F32: 0, QT.F16: 1, QT.BF16: 32, QT.Q8_0: 7}[qtype])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["token_type"])
+    w.add_token_merges(vocab["merges"])
+    w.add_bos_token_id(vocab["bos"])
+    w.add_eos_token_id(vocab["eos"])
+    w.add_pad_token_id(vocab["bos"])
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+    def put(name: str, array, matmul: bool = False):
+        a = np.asarray(array, dtype=np.float32)
+        if matmul and qtype != QT.F32 and a.ndim >= 2:
+            if qtype == QT.F16:
+                w.add_tensor(name, a.astype(np.float16))
+            else:
+                w.add_tensor(name, quants.quantize(a, qtype), raw_shape=a.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, a)
+
+    put("token_embd.weight", weights.embed, matmul=True)
+    put("output_norm.weight", weights.output_norm)
+    if weights.output is not weights.embed:
+        put("output.weight", weights.output, matmul=True)
+    for i, layer in enumerate(weights.layers):
+        _put_layer(put, f"blk.{i}.", layer)
+    if weights.mtp is not None:
+        m, p = weights.mtp, f"blk.{cfg.n_layer}."
+        _put_layer(put, p, m.layer)
+        put(p + "nextn.eh_proj.weight", m.eh_proj, matmul=True)
+        put(p + "nextn.enorm.weight", m.enorm)
+        put(p + "nextn.hnorm.weight", m.hnorm)
+        put(p + "nextn.shared_head_norm.weight", m.head_norm)
+        if m.embed is not weights.embed:
+            put(p + "nextn.embed_tokens.weight", m.embed, matmul=True)
+        if m.head is not weights.output:
+            put(p + "nextn.shared_head_head.weight", m.head, matmul=True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _interval(recurrent: tuple[bool, ...]) -> int | None:
+    for interval in range(1, len(recurrent) + 1):
+        if all(r == ((i + 1) % interval != 0) for i, r in enumerate(recurrent)):
+            return interval
+    return None
+
+
+def _put_layer(put, p: str, layer: Layer) -> None:
+    put(p + "attn_norm.weight", layer.attn_norm)
+    put(p + "post_attention_norm.weight", layer.post_norm)
+    mixer = layer.mixer
+    if isinstance(mixer, GatedDeltaNet):
+        put(p + "attn_qkv.weight", mixer.qkv, matmul=True)
+        put(p + "attn_gate.weight", mixer.gate, matmul=True)
+        put(p + "ssm_conv1d.weight", mixer.conv)
+        put(p + "ssm_dt.bias", mixer.dt_bias)
+        put(p + "ssm_a", mixer.a)
+        put(p + "ssm_beta.weight", mixer.beta, matmul=True)
+        put(p + "ssm_alpha.weight", mixer.alpha, matmul=True)
+        put(p + "ssm_norm.weight", mixer.norm)
+        put(p + "ssm_out.weight", mixer.out, matmul=True)
+    else:
+        put(p + "attn_q.weight", mixer.q, matmul=True)
+        put(p + "attn_k.weight", mixer.k, matmul=True)
+        put(p + "attn_v.weight", mixer.v, matmul=True)
+        put(p + "attn_output.weight", mixer.o, matmul=True)
+        put(p + "attn_q_norm.weight", mixer.q_norm)
+        put(p + "attn_k_norm.weight", mixer.k_norm)
+        for name, bias in (("attn_q.bias", mixer.q_bias), ("attn_k.bias", mixer.k_bias), ("attn_v.bias", mixer.v_bias)):
+            if bias is not None:
+                put(p + name, bias)
+    ffn = layer.ffn
+    if isinstance(ffn, DenseFfn):
+        put(p + "ffn_gate.weight", ffn.gate, matmul=True)
+        put(p + "ffn_up.weight", ffn.up, matmul=True)
+        put(p + "ffn_down.weight", ffn.down, matmul=True)
+    else:
+        put(p + "ffn_gate_inp.weight", ffn.router)
+        put(p + "ffn_gate_exps.weight", ffn.gate, matmul=True)
+        put(p + "ffn_up_exps.weight", ffn.up, matmul=True)
+        put(p + "ffn_down_exps.weight", ffn.down, matmul=True)
+        put(p + "ffn_gate_inp_shexp.weight", ffn.shared_router)
+        put(p + "ffn_gate_shexp.weight", ffn.shared_gate, matmul=True)
+        put(p + "ffn_up_shexp.weight", ffn.shared_up, matmul=True)
+        put(p + "ffn_down_shexp.weight", ffn.shared_down, matmul=True)

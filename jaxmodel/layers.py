@@ -1,0 +1,114 @@
+"""Building blocks of the qwen35 forward pass (SPEC-qwen35 §4): norms, rope, paged gated attention, FFNs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+from .weights import Attention, DenseFfn, MoeFfn
+
+
+def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
+    """ggml's CPU kernels round the activation to f16 before a matmul with f16 weights; so do we, which is
+    what F16 parity with llama.cpp needs. Weights loaded as float32 (the default on CPU) take x unchanged."""
+    return x.astype(jnp.float16).astype(jnp.float32) if w.dtype == jnp.float16 else x
+
+
+def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """x [..., n_in] @ w[n_out, n_in].T -> [..., n_out], float32."""
+    y = jnp.einsum("...i,oi->...o", as_matmul_input(x, w), w, preferred_element_type=jnp.float32)
+    return y if bias is None else y + bias
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) * w over the last axis (GGUF norm weights already hold HF's +1)."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis (ggml's rms_norm(x, eps/n) / sqrt(n))."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """NEOX-style rotation of the first R dims of each head, as imrope does for text tokens (SPEC §4.4).
+
+    x [B, T, H, D], positions [B, T] -> [B, T, H, D]
+    """
+    half = cfg.rope_dim // 2
+    inv_freq = cfg.rope_theta ** (-2.0 * jnp.arange(half, dtype=jnp.float32) / cfg.rope_dim)
+    inv_freq = inv_freq * jnp.asarray(cfg.rope_position_mask())
+    angle = positions.astype(jnp.float32)[..., None, None] * inv_freq  # [B, T, 1, R/2]
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], axis=-1)
+
+
+def paged_attention(
+    w: Attention,
+    cfg: ModelConfig,
+    x: jax.Array,  # [B, T, E] normed input
+    positions: jax.Array,  # [B, T]
+    valid: jax.Array,  # [B, T] bool, False for padding tokens
+    page_table: jax.Array,  # [B, P]
+    k_pages: jax.Array,  # [n_pages, page_size, Hkv, D]
+    v_pages: jax.Array,  # [n_pages, page_size, Hkv, D]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gated causal attention over a paged KV cache (SPEC §4.1). Writes this step's K/V, then attends.
+
+    Padding tokens write into page 0, the trash page. Returns y [B, T, E] and the updated pages.
+    """
+    B, T, _ = x.shape
+    H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    page_size = k_pages.shape[1]
+    qg = linear(x, w.q, w.q_bias).reshape(B, T, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:]
+    k = linear(x, w.k, w.k_bias).reshape(B, T, Hkv, D)
+    v = linear(x, w.v, w.v_bias).reshape(B, T, Hkv, D)
+    q = rope(rms_norm(q, w.q_norm, cfg.norm_eps), positions, cfg)
+    k = rope(rms_norm(k, w.k_norm, cfg.norm_eps), positions, cfg)
+
+    page = jnp.take_along_axis(page_table, positions // page_size, axis=1)
+    page = jnp.where(valid, page, 0)  # [B, T]
+    slot = positions % page_size
+    k_pages = k_pages.at[page, slot].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[page, slot].set(v.astype(v_pages.dtype))
+
+    keys = k_pages[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)  # [B, S, Hkv, D]
+    values = v_pages[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)
+    q = q.reshape(B, T, Hkv, H // Hkv, D)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) * (D**-0.5)
+    key_pos = jnp.arange(keys.shape[1])
+    causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, H * D)
+    out = out * jax.nn.sigmoid(gate.reshape(B, T, H * D))
+    return linear(out, w.o), k_pages, v_pages
+
+
+def dense_ffn(w: DenseFfn, x: jax.Array) -> jax.Array:
+    """SwiGLU: (silu(x Wg) * x Wu) Wd. x [..., E] -> [..., E]."""
+    return linear(jax.nn.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
+
+
+def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """Top-k routed experts plus a sigmoid-gated shared expert (SPEC §11). x [..., E] -> [..., E].
+
+    Every expert is evaluated and the unselected ones get weight 0: exact, and cheap at the sizes we run on CPU.
+    """
+    probs = jax.nn.softmax(linear(x, w.router), axis=-1)  # [..., X]
+    top_p, top_i = jax.lax.top_k(probs, cfg.n_expert_used)
+    top_p = top_p / jnp.maximum(jnp.sum(top_p, axis=-1, keepdims=True), 6.1035e-5)
+    weights = jnp.sum(jax.nn.one_hot(top_i, cfg.n_expert, dtype=x.dtype) * top_p[..., None], axis=-2)  # [..., X]
+    xg, xu = as_matmul_input(x, w.gate), as_matmul_input(x, w.up)
+    hidden = jax.nn.silu(jnp.einsum("...e,xfe->...xf", xg, w.gate)) * jnp.einsum("...e,xfe->...xf", xu, w.up)
+    per_expert = jnp.einsum("...xf,xef->...xe", as_matmul_input(hidden, w.down), w.down)
+    routed = jnp.einsum("...xe,...x->...e", per_expert, weights)
+    shared = linear(jax.nn.silu(linear(x, w.shared_gate)) * linear(x, w.shared_up), w.shared_down)
+    return routed + jax.nn.sigmoid(jnp.sum(x * w.shared_router, axis=-1, keepdims=True)) * shared
+
+
+def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return dense_ffn(w, x) if isinstance(w, DenseFfn) else moe_ffn(w, cfg, x)

@@ -1,0 +1,158 @@
+"""The qwen35 forward pass as pure functions over the weights pytree and the state pools.
+
+`forward` serves prefill, decode and verification alike: a padded batch of rows, each feeding some tokens from
+its own KV pages and GDN planes (DESIGN.md "State"). `Model` wraps the jitted step with a small API.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .gdn import gdn_mixer
+from .gguf_io import read_gguf, to_device
+from .layers import ffn, linear, paged_attention, rms_norm
+from .state import ModelState, StepBatch, StepOutput, bucket, init_state, single_row_batch
+from .weights import Layer, Mtp, Weights
+
+
+def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array) -> jax.Array:
+    """hidden [B, T, E], rows [B, R] -> logits [B, R, V]."""
+    return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head)
+
+
+def forward(
+    weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, final_only: bool = False
+) -> tuple[StepOutput, ModelState]:
+    """One step of the target model over a padded batch.
+
+    batch: tokens/positions/write_planes [B, T], n_tokens/read_plane [B], page_table [B, P], logit_rows [B, R].
+    final_only: every row writes at most its final state (a prefill chunk), enabling the chunked GDN form.
+    Returns logits [B, R, V], post-norm hidden [B, T, E] and the state with this step's K/V and planes written.
+    """
+    T = batch.tokens.shape[1]
+    valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]  # [B, T]
+    x = weights.embed[batch.tokens].astype(jnp.float32)  # [B, T, E]
+    k_pages, v_pages = list(state.k_pages), list(state.v_pages)
+    conv, ssm = list(state.conv), list(state.ssm)
+    attn_index = {layer: i for i, layer in enumerate(cfg.attn_layers)}
+    gdn_index = {layer: i for i, layer in enumerate(cfg.gdn_layers)}
+    for li, layer in enumerate(weights.layers):
+        h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
+        if cfg.recurrent[li]:
+            j = gdn_index[li]
+            y, conv[j], ssm[j] = gdn_mixer(
+                layer.mixer, cfg, h, valid, batch.n_tokens, conv[j], ssm[j],
+                batch.read_plane, batch.write_planes, final_only,
+            )  # fmt: skip
+        else:
+            j = attn_index[li]
+            y, k_pages[j], v_pages[j] = paged_attention(
+                layer.mixer, cfg, h, batch.positions, valid, batch.page_table, k_pages[j], v_pages[j]
+            )
+        x = _residual_ffn(layer, cfg, x + y)
+    hidden = rms_norm(x, weights.output_norm, cfg.norm_eps)
+    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, weights.output), hidden=hidden)
+    return out, ModelState(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
+
+
+def _residual_ffn(layer: Layer, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    return x + ffn(layer.ffn, cfg, rms_norm(x, layer.post_norm, cfg.norm_eps))
+
+
+def mtp_forward(
+    weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array, state: ModelState
+) -> tuple[StepOutput, ModelState]:
+    """The MTP block (SPEC §6.1) on (token x_t at position t, hidden h_{t-1}) pairs.
+
+    hidden_in [B, T, E]: the target's post-norm hidden at t-1 (or the MTP's own, when chaining drafts).
+    Uses the last KV layer of `state` (the MTP block's own pages, indexed by the same page table); the plane
+    fields of `batch` are unused. Returns logits [B, R, V] for token t+1 and the MTP's post-norm hidden [B, T, E].
+    """
+    mtp: Mtp = weights.mtp
+    T = batch.tokens.shape[1]
+    valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]
+    e = rms_norm(mtp.embed[batch.tokens].astype(jnp.float32), mtp.enorm, cfg.norm_eps)
+    hh = rms_norm(hidden_in, mtp.hnorm, cfg.norm_eps)
+    u = linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj)
+    h = rms_norm(u, mtp.layer.attn_norm, cfg.norm_eps)
+    y, k_mtp, v_mtp = paged_attention(
+        mtp.layer.mixer, cfg, h, batch.positions, valid, batch.page_table, state.k_pages[-1], state.v_pages[-1]
+    )
+    u = _residual_ffn(mtp.layer, cfg, u + y)
+    hidden = rms_norm(u, mtp.head_norm, cfg.norm_eps)
+    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, mtp.head), hidden=hidden)
+    new_state = ModelState(
+        k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,), conv=state.conv, ssm=state.ssm
+    )
+    return out, new_state
+
+
+class Model:
+    """A loaded model: static config, device weights and the jitted steps (state donated)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, *, path: str | None = None):
+        self.cfg = cfg
+        self.weights = to_device(weights)
+        self.path = path
+        self.step = jax.jit(functools.partial(forward, cfg=cfg), static_argnames="final_only", donate_argnames="state")
+        self.mtp_step = jax.jit(functools.partial(mtp_forward, cfg=cfg), donate_argnames="state")
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.weights.mtp is not None
+
+    def new_state(self, n_pages: int, n_planes: int, page_size: int = 16) -> ModelState:
+        return init_state(self.cfg, n_pages, n_planes, page_size)
+
+    def score(self, token_ids, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
+        """Logits [T, V] and post-norm hidden [T, E] of one fresh sequence, through the batched step.
+
+        Long inputs are fed in chunks, each reading the plane the previous one wrote.
+        """
+        token_ids = list(token_ids)
+        page_size = 16
+        pages = list(range(1, bucket(-(-len(token_ids) // page_size)) + 1))
+        state = self.new_state(n_pages=len(pages) + 1, n_planes=3, page_size=page_size)
+        logits, hidden = [], []
+        read_plane = 0
+        for start in range(0, len(token_ids), chunk):
+            part = token_ids[start : start + chunk]
+            write_plane = 1 if read_plane != 1 else 2
+            writes = [-1] * (len(part) - 1) + [write_plane]
+            batch = single_row_batch(part, start, pages, read_plane, writes, page_size=page_size)
+            out, state = self.step(self.weights, batch=batch, state=state)
+            logits.append(np.asarray(out.logits[0, : len(part)]))
+            hidden.append(np.asarray(out.hidden[0, : len(part)]))
+            read_plane = write_plane
+        return np.concatenate(logits), np.concatenate(hidden)
+
+    def score_mtp(self, token_ids, hidden_in) -> tuple[np.ndarray, np.ndarray]:
+        """MTP logits [T, V] and hidden [T, E] for (token_ids[t] at position t, hidden_in[t] = h_{t-1}) pairs."""
+        if not self.has_mtp:
+            raise ValueError(f"{self.path or 'model'} has no MTP block")
+        token_ids = list(token_ids)
+        T = len(token_ids)
+        page_size = 16
+        pages = list(range(1, bucket(-(-T // page_size)) + 1))
+        state = self.new_state(n_pages=len(pages) + 1, n_planes=1, page_size=page_size)
+        batch = single_row_batch(token_ids, 0, pages, 0, [-1] * T, page_size=page_size)
+        h = np.zeros((1, batch.tokens.shape[1], self.cfg.n_embd), np.float32)
+        h[0, :T] = hidden_in
+        out, _ = self.mtp_step(self.weights, batch=batch, hidden_in=h, state=state)
+        return np.asarray(out.logits[0, :T]), np.asarray(out.hidden[0, :T])
+
+
+def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False) -> Model:
+    """Load a qwen35 / qwen35moe GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, dequantised to float32).
+
+    keep_f16: keep F16 tensors in f16; their matmuls then round activations to f16 as llama.cpp does on CPU
+    (exact F16 parity; slower on CPU, see DESIGN.md).
+    """
+    cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16)
+    return Model(cfg, weights, path=str(path))
