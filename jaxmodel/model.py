@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .gdn import gdn_mixer
 from .gguf_io import read_gguf, to_device
 from .layers import ffn, linear, paged_attention, rms_norm
-from .state import ModelState, StepBatch, StepOutput, bucket, init_state, single_row_batch
+from .state import ModelState, Row, StepBatch, StepOutput, bucket, init_state, pack_batch
 from .weights import Layer, Mtp, Weights
 
 
@@ -125,7 +125,7 @@ class Model:
             part = token_ids[start : start + chunk]
             write_plane = 1 if read_plane != 1 else 2
             writes = [-1] * (len(part) - 1) + [write_plane]
-            batch = single_row_batch(part, start, pages, read_plane, writes, page_size=page_size)
+            batch = pack_batch([Row(part, start, pages, read_plane, writes, range(len(part)))])
             out, state = self.step(self.weights, batch=batch, state=state)
             logits.append(np.asarray(out.logits[0, : len(part)]))
             hidden.append(np.asarray(out.hidden[0, : len(part)]))
@@ -141,7 +141,7 @@ class Model:
         page_size = 16
         pages = list(range(1, bucket(-(-T // page_size)) + 1))
         state = self.new_state(n_pages=len(pages) + 1, n_planes=1, page_size=page_size)
-        batch = single_row_batch(token_ids, 0, pages, 0, [-1] * T, page_size=page_size)
+        batch = pack_batch([Row(token_ids, 0, pages, 0, [-1] * T, range(T))])
         h = np.zeros((1, batch.tokens.shape[1], self.cfg.n_embd), np.float32)
         h[0, :T] = hidden_in
         out, _ = self.mtp_step(self.weights, batch=batch, hidden_in=h, state=state)

@@ -6,6 +6,9 @@ Plane 0 is the null plane (all zeros: a new sequence reads it; nobody writes it)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,28 +90,43 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def single_row_batch(
-    tokens, start: int, pages, read_plane: int, write_planes, *, page_size: int, logit_rows=None, t_bucket=None
-) -> StepBatch:
-    """A batch of one sequence feeding `tokens` at positions start.., as numpy arrays padded to buckets."""
-    n = len(tokens)
-    T = t_bucket or bucket(n)
-    P = bucket(len(pages))
-    tok = np.zeros((1, T), np.int32)
-    tok[0, :n] = tokens
-    pos = np.zeros((1, T), np.int32)
-    pos[0, :n] = np.arange(start, start + n)
-    table = np.zeros((1, P), np.int32)
-    table[0, : len(pages)] = pages
-    writes = np.full((1, T), -1, np.int32)
-    writes[0, :n] = write_planes
-    rows = np.arange(T, dtype=np.int32)[None] if logit_rows is None else np.asarray(logit_rows, np.int32)[None]
-    return StepBatch(
-        tokens=tok,
-        positions=pos,
-        n_tokens=np.array([n], np.int32),
-        page_table=table,
-        read_plane=np.array([read_plane], np.int32),
-        write_planes=writes,
-        logit_rows=rows,
+@dataclass(frozen=True)
+class Row:
+    """One sequence's share of a step: feed `tokens` at positions start.. (host-side, before padding)."""
+
+    tokens: Sequence[int]
+    start: int  # position of tokens[0]
+    pages: Sequence[int]  # the sequence's KV pages, in position order
+    read_plane: int
+    write_planes: Sequence[int]  # one per token, -1 for none
+    logit_rows: Sequence[int] = ()  # token indices whose logits are wanted
+
+
+def pack_batch(rows: Sequence[Row], *, B: int | None = None, T: int | None = None, P: int | None = None,
+               R: int | None = None) -> StepBatch:
+    """Pad rows into a bucketed StepBatch of numpy arrays. Missing rows are padding rows (n_tokens = 0)."""
+    B = B or bucket(len(rows))
+    T = T or bucket(max(len(r.tokens) for r in rows))
+    P = P or bucket(max(len(r.pages) for r in rows))
+    R = R or bucket(max(max(len(r.logit_rows) for r in rows), 1))
+    batch = StepBatch(
+        tokens=np.zeros((B, T), np.int32),
+        positions=np.zeros((B, T), np.int32),
+        n_tokens=np.zeros((B,), np.int32),
+        page_table=np.full((B, P), TRASH_PAGE, np.int32),
+        read_plane=np.full((B,), NULL_PLANE, np.int32),
+        write_planes=np.full((B, T), -1, np.int32),
+        logit_rows=np.zeros((B, R), np.int32),
     )
+    for b, row in enumerate(rows):
+        n = len(row.tokens)
+        if n > T or len(row.pages) > P or len(row.logit_rows) > R or len(row.write_planes) != n:
+            raise ValueError(f"row {b} does not fit the batch shape (T={T}, P={P}, R={R}) or has {len(row.write_planes)} write planes for {n} tokens")
+        batch.tokens[b, :n] = row.tokens
+        batch.positions[b, :n] = np.arange(row.start, row.start + n)
+        batch.n_tokens[b] = n
+        batch.page_table[b, : len(row.pages)] = row.pages
+        batch.read_plane[b] = row.read_plane
+        batch.write_planes[b, :n] = row.write_planes
+        batch.logit_rows[b, : len(row.logit_rows)] = row.logit_rows
+    return batch

@@ -1,0 +1,157 @@
+"""Parity with llama.cpp's outputs on the fixture GGUFs, through the same batched step the server uses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import DATA, fixture
+
+from jaxmodel import load_model
+from jaxmodel.state import Row, pack_batch
+
+PAGE = 16
+
+
+def mtp_inputs(hidden: np.ndarray) -> np.ndarray:
+    """h_{t-1} for every t, with h_{-1} = 0."""
+    return np.concatenate([np.zeros_like(hidden[:1]), hidden[:-1]])
+
+
+@pytest.mark.parametrize(
+    "gguf, npz, tol, keep_f16",
+    [
+        ("tiny-qwen35-mtp", "tiny-qwen35-mtp", 1e-3, False),
+        ("tiny-qwen35-mtp", "tiny-qwen35-mtp-T96", 1e-3, False),
+        ("tiny-qwen35-f16", "tiny-qwen35-f16", 2e-2, True),
+        ("tiny-qwen35moe", "tiny-qwen35moe", 1e-3, False),
+    ],
+)
+def test_batch_logits_hidden_and_mtp_match_llama_cpp(gguf, npz, tol, keep_f16):
+    model = load_model(DATA / f"{gguf}.gguf", keep_f16=keep_f16)
+    ref = fixture(npz)
+    logits, hidden = model.score(ref["tokens"])
+    np.testing.assert_allclose(logits, ref["A"], atol=tol, rtol=0)
+    np.testing.assert_allclose(hidden, ref["H"], atol=tol, rtol=0)
+    np.testing.assert_array_equal(logits.argmax(-1), ref["A"].argmax(-1))
+    mtp_logits, mtp_hidden = model.score_mtp(ref["tokens"], mtp_inputs(ref["H"]))
+    np.testing.assert_allclose(mtp_logits, ref["D"], atol=tol, rtol=0)
+    np.testing.assert_allclose(mtp_hidden, ref["Dh"], atol=tol, rtol=0)
+    np.testing.assert_array_equal(mtp_logits.argmax(-1), ref["D"].argmax(-1))
+    if "HF" in ref:
+        np.testing.assert_allclose(logits, ref["HF"], atol=tol, rtol=0)
+
+
+def test_f16_file_without_activation_rounding_stays_close():
+    model = load_model(DATA / "tiny-qwen35-f16.gguf")
+    ref = fixture("tiny-qwen35-f16")
+    logits, _ = model.score(ref["tokens"])
+    np.testing.assert_allclose(logits, ref["A"], atol=6e-2, rtol=0)
+    np.testing.assert_array_equal(logits.argmax(-1), ref["A"].argmax(-1))
+
+
+def test_chunked_scoring_matches_one_batch(tiny_model):
+    ref = fixture("tiny-qwen35-mtp-T96")
+    logits, _ = tiny_model.score(ref["tokens"], chunk=40)
+    np.testing.assert_allclose(logits, ref["A"], atol=1e-3, rtol=0)
+
+
+def step_one(model, state, row: Row, **shape):
+    out, state = model.step(model.weights, batch=pack_batch([row], **shape), state=state)
+    return np.asarray(out.logits[0]), state
+
+
+def test_token_by_token_decode_matches_llama_cpp(tiny_model):
+    ref = fixture("tiny-qwen35-mtp")
+    tokens = ref["tokens"]
+    pages = [1, 2]
+    state = tiny_model.new_state(n_pages=3, n_planes=3, page_size=PAGE)
+    read = 0
+    for t, token in enumerate(tokens):
+        write = 1 if read != 1 else 2  # ping-pong between two planes
+        logits, state = step_one(tiny_model, state, Row([token], t, pages, read, [write], [0]), T=1, P=2, R=1)
+        np.testing.assert_allclose(logits[0], ref["B"][t], atol=1e-3, rtol=0)
+        read = write
+
+
+def test_partial_rollback_through_snapshot_planes_matches_llama_cpp(tiny_model):
+    """Fixture C: prefill T-4, a 4-token step writing 4 snapshot planes, roll back 2, decode `alt` at T-2."""
+    ref = fixture("tiny-qwen35-mtp")
+    tokens, T = ref["tokens"], len(ref["tokens"])
+    pages = [1, 2]
+    state = tiny_model.new_state(n_pages=3, n_planes=6, page_size=PAGE)
+    prefill = list(tokens[: T - 4])
+    _, state = step_one(tiny_model, state, Row(prefill, 0, pages, 0, [-1] * (len(prefill) - 1) + [1]), P=2)
+    _, state = step_one(tiny_model, state, Row(list(tokens[T - 4 :]), T - 4, pages, 1, [2, 3, 4, 5]), P=2)
+    # Rolling back 2 of the 4 keeps tokens up to T-3: its state is in plane 3; the KV length is simply T-2.
+    logits, _ = step_one(tiny_model, state, Row([int(ref["alt"])], T - 2, pages, 3, [-1], [0]), P=2)
+    np.testing.assert_allclose(logits[0], ref["C"], atol=1e-3, rtol=0)
+    assert logits[0].argmax() == ref["C"].argmax()
+
+
+@pytest.mark.parametrize("accepted", range(5))
+def test_checkpoint_and_snapshot_agree_after_any_rollback(tiny_model, accepted):
+    """Verify a 1 + 4 token step, keep `accepted` drafts, then decode the next token both ways."""
+    rng = np.random.default_rng(accepted)
+    prompt = list(rng.integers(0, 500, 11))
+    fed = list(rng.integers(0, 500, 5))  # last token + 4 drafts
+    nxt = int(rng.integers(0, 500))
+    pages = [1, 2]
+    keep = fed[: accepted + 1]
+    pos = len(prompt) + len(keep)
+
+    state = tiny_model.new_state(n_pages=3, n_planes=8, page_size=PAGE)
+    _, state = step_one(tiny_model, state, Row(prompt, 0, pages, 0, [-1] * 10 + [1]), T=16, P=2)
+    # Snapshot: planes 2..6 hold the state after each fed token; the kept state is plane 2 + accepted.
+    _, state = step_one(tiny_model, state, Row(fed, len(prompt), pages, 1, [2, 3, 4, 5, 6]), T=8, P=2)
+    snap, state = step_one(tiny_model, state, Row([nxt], pos, pages, 2 + accepted, [-1], [0]), T=8, P=2)
+
+    state = tiny_model.new_state(n_pages=3, n_planes=8, page_size=PAGE)
+    _, state = step_one(tiny_model, state, Row(prompt, 0, pages, 0, [-1] * 10 + [1]), T=16, P=2)
+    # Checkpoint: only the final state is written (plane 7); plane 1 stays the checkpoint.
+    _, state = step_one(tiny_model, state, Row(fed, len(prompt), pages, 1, [-1] * 4 + [7]), T=8, P=2)
+    if accepted == 4:
+        ckpt, state = step_one(tiny_model, state, Row([nxt], pos, pages, 7, [-1], [0]), T=8, P=2)
+    else:  # replay the kept tokens from the checkpoint, prepended to the next step
+        replay = keep + [nxt]
+        ckpt, state = step_one(
+            tiny_model, state, Row(replay, len(prompt), pages, 1, [-1] * len(replay), [len(replay) - 1]), T=8, P=2
+        )
+    expected, _ = tiny_model.score(prompt + keep + [nxt])
+    np.testing.assert_allclose(snap[0], ckpt[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(snap[0], expected[-1], atol=1e-4, rtol=0)
+
+
+def test_mixed_batches_with_sequences_joining_and_leaving_match_each_alone(tiny_model):
+    """Rows of different lengths share steps; sequences join and leave between steps; pages and planes are
+    interleaved between sequences. Every logit equals the sequence scored alone."""
+    rng = np.random.default_rng(7)
+    seqs = {s: list(rng.integers(0, 500, n)) for s, n in enumerate([5, 19, 12, 30, 3, 23])}
+    alone = {s: tiny_model.score(toks)[0] for s, toks in seqs.items()}
+    pages = {s: [1 + s + 6 * i for i in range(2)] for s in seqs}  # interleaved page ids
+    planes = {s: (1 + 2 * s, 2 + 2 * s) for s in seqs}
+    state = tiny_model.new_state(n_pages=13, n_planes=13, page_size=PAGE)
+    done = {s: 0 for s in seqs}
+    live = {s: 0 for s in seqs}  # the plane holding each sequence's state (0: fresh)
+    joins = {0: [0, 1], 1: [2], 2: [3, 4], 4: [5]}
+    active: list[int] = []
+    step = 0
+    while step == 0 or active:
+        active += joins.get(step, [])
+        rows, fed = [], {}
+        for s in active:
+            n = int(rng.integers(1, 7))  # chunk sizes vary per row and step
+            chunk = seqs[s][done[s] : done[s] + n]
+            target = planes[s][0] if live[s] != planes[s][0] else planes[s][1]
+            writes = [-1] * (len(chunk) - 1) + [target]
+            rows.append(Row(chunk, done[s], pages[s], live[s], writes, range(len(chunk))))
+            fed[s] = (len(chunk), target)
+        out, state = tiny_model.step(tiny_model.weights, batch=pack_batch(rows, B=8, T=8, P=2, R=8), state=state)
+        logits = np.asarray(out.logits)
+        for b, s in enumerate(active):
+            n, target = fed[s]
+            np.testing.assert_allclose(logits[b, :n], alone[s][done[s] : done[s] + n], atol=1e-4, rtol=0)
+            done[s] += n
+            live[s] = target
+        active = [s for s in active if done[s] < len(seqs[s])]
+        step += 1
+    assert all(done[s] == len(seqs[s]) for s in seqs)
