@@ -23,15 +23,34 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     if not os.path.isfile(path):
         raise ModelFormatError(f"{path}: no such file")
     try:
-        reader = gguf.GGUFReader(path, "r")
+        return gguf.GGUFReader(path, "r")
     except Exception as exc:  # the reader raises assorted errors on truncated or foreign files
+        _raise_if_truncated(path)
         raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+class _TensorExtents(gguf.GGUFReader):
+    """Parses the header and tensor table only, recording where each tensor's data ends."""
+
+    def _build_tensors(self, start_offs, fields):
+        self.extents = []
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            block_size, type_size = gguf.GGML_QUANT_SIZES[QT(raw_type[0])]
+            n_bytes = int(np.prod(dims)) * type_size // block_size
+            self.extents.append((bytes(name).decode("utf-8"), int(start_offs + offset[0]) + n_bytes))
+        self.tensors = []
+
+
+def _raise_if_truncated(path: str) -> None:
+    try:
+        extents = _TensorExtents(path, "r").extents
+    except Exception:  # the header itself is unreadable: not a GGUF, reported by the caller
+        return
     size = os.path.getsize(path)
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
+    for name, end in extents:
         if end > size:
-            raise ModelFormatError(f"{path}: truncated: tensor '{t.name}' needs bytes up to {end}, file has {size}")
-    return reader
+            raise ModelFormatError(f"{path}: truncated: tensor '{name}' needs bytes up to {end}, the file has {size}")
 
 
 class _Tensors:
@@ -291,7 +310,7 @@ def write_gguf(
             if qtype == QT.F16:
                 w.add_tensor(name, a.astype(np.float16))
             else:
-                w.add_tensor(name, quants.quantize(a, qtype), raw_shape=a.shape, raw_dtype=qtype)
+                w.add_tensor(name, quants.quantize(a, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, a)
 

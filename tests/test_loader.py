@@ -1,0 +1,156 @@
+"""GGUF loading: every supported tensor type, the writer round trip, and one clear error per defect."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import DATA, fixture
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
+
+from jaxmodel import Model, ModelFormatError, load_model
+from jaxmodel.gguf_io import read_gguf, write_gguf
+from jaxmodel.random_model import PRESETS, random_weights
+
+TINY = DATA / "tiny-qwen35-mtp.gguf"
+
+
+def rewrite(src, dst, *, arch=None, drop=(), tensors=None):
+    """Copy a GGUF, optionally renaming the architecture, dropping tensors, or replacing tensors with
+    (array, qtype) pairs (qtype None for plain numpy arrays)."""
+    reader = GGUFReader(src)
+    old_arch = reader.fields["general.architecture"].contents()
+    new_arch = arch or old_arch
+    writer = GGUFWriter(str(dst), new_arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key.replace(old_arch + ".", new_arch + ".", 1), field.contents(), field.types[0], sub)
+    tensors = tensors or {}
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        if t.name in tensors:
+            array, qtype = tensors[t.name]
+            if qtype is None:
+                writer.add_tensor(t.name, array)
+            else:
+                writer.add_tensor(t.name, array, raw_dtype=qtype)  # array holds the blocks' bytes
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = rewrite(TINY, tmp_path / "llama.gguf", arch="llama")
+    with pytest.raises(ModelFormatError, match=r"llama\.gguf: unsupported architecture 'llama'"):
+        load_model(path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = rewrite(TINY, tmp_path / "missing.gguf", drop={"blk.1.ssm_a"})
+    with pytest.raises(ModelFormatError, match=r"missing\.gguf: missing tensor 'blk\.1\.ssm_a' \(expected shape \(4,\)\)"):
+        load_model(path)
+
+
+def test_misshaped_tensor_is_named(tmp_path):
+    path = rewrite(TINY, tmp_path / "shape.gguf", tensors={"blk.0.ssm_norm.weight": (np.ones(8, np.float32), None)})
+    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.ssm_norm\.weight' has shape \(8,\), expected \(16,\)"):
+        load_model(path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    raw = np.zeros((128, 64 // 32 * 20), np.uint8)  # Q4_1: 32 values in 20 bytes
+    path = rewrite(TINY, tmp_path / "q41.gguf", tensors={"blk.0.ffn_up.weight": (raw, QT.Q4_1)})
+    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.ffn_up\.weight' has unsupported type Q4_1"):
+        load_model(path)
+
+
+def test_truncated_file_is_named(tmp_path):
+    data = TINY.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelFormatError, match=r"cut\.gguf: truncated: tensor '.*' needs bytes up to"):
+        load_model(path)
+
+
+def test_not_a_gguf_and_no_file(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelFormatError, match=r"junk\.gguf: not a readable GGUF file"):
+        load_model(path)
+    with pytest.raises(ModelFormatError, match=r"nothing\.gguf: no such file"):
+        load_model(tmp_path / "nothing.gguf")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
+def test_writer_round_trip(tmp_path, dtype):
+    """Export the fixture's weights and load them back: every matmul weight comes back as its rounding to
+    `dtype`, every other tensor exactly; f32 reproduces llama.cpp's logits."""
+    cfg, weights, _ = read_gguf(TINY)
+    path = tmp_path / f"tiny-{dtype}.gguf"
+    write_gguf(path, cfg, weights, dtype=dtype)
+    loaded_cfg, loaded, _ = read_gguf(path)
+    assert loaded_cfg == cfg
+    qtype = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}[dtype]
+    for original, back in zip(jax.tree_util.tree_leaves(weights), jax.tree_util.tree_leaves(loaded)):
+        if original.ndim >= 2 and original.shape[1] != cfg.conv_kernel and dtype != "f32":
+            expected = quants.dequantize(quants.quantize(original, qtype), qtype)
+        else:
+            expected = original
+        np.testing.assert_array_equal(back, expected)
+    if dtype == "f32":
+        ref = fixture("tiny-qwen35-mtp")
+        logits, _ = load_model(path).score(ref["tokens"])
+        np.testing.assert_allclose(logits, ref["A"], atol=1e-3, rtol=0)
+
+
+def _random_kquant_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
+    """Random k-quant bytes whose f16 scales are set to small finite values."""
+    block_values, block_bytes = quants.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block_values, block_bytes), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if qtype == QT.Q6_K:  # ql[128] qh[64] scales[16] d
+        raw[..., -2:] = scale
+    else:  # d, dmin first
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K])
+def test_quantized_types_load_as_their_dequantized_values(tmp_path, qtype):
+    """A k-quant (or Q4_0) tensor loads as gguf's dequantisation of its bytes, and the model built from the
+    quantised file gives the logits of an F32 file holding those dequantised values."""
+    cfg = PRESETS["tiny"].replace(n_embd=256, n_ff=256, n_layer=2, recurrent=(True, False), n_mtp=0)
+    weights = random_weights(cfg, seed=1)
+    f32_path = tmp_path / "base.gguf"
+    write_gguf(f32_path, cfg, weights)
+    rng = np.random.default_rng(0)
+    rows, cols = weights.layers[0].ffn.up.shape  # [F, E] with E a multiple of 256
+    raw = _random_kquant_blocks(rng, rows, cols, qtype) if qtype != QT.Q4_0 else quants.quantize(
+        weights.layers[0].ffn.up, QT.Q4_0)
+    quant_path = rewrite(f32_path, tmp_path / "quant.gguf", tensors={"blk.0.ffn_up.weight": (raw, qtype)})
+    expected = quants.dequantize(raw, qtype)
+    assert expected.shape == (rows, cols) and np.isfinite(expected).all()
+    _, loaded, _ = read_gguf(quant_path)
+    np.testing.assert_array_equal(loaded.layers[0].ffn.up, expected)
+    dequant_path = rewrite(f32_path, tmp_path / "dequant.gguf", tensors={"blk.0.ffn_up.weight": (expected, None)})
+    tokens = [3, 17, 200, 5, 9]
+    a, _ = load_model(quant_path).score(tokens)
+    b, _ = load_model(dequant_path).score(tokens)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_model_from_random_preset_runs(tmp_path):
+    cfg = PRESETS["tiny"]
+    model = Model(cfg, random_weights(cfg, seed=3))
+    logits, hidden = model.score([1, 2, 3])
+    assert logits.shape == (3, cfg.n_vocab) and hidden.shape == (3, cfg.n_embd)
+    assert np.isfinite(logits).all()
