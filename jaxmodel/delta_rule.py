@@ -30,9 +30,9 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
     n_planes, n_value_heads, dk, _ = ssm_pool.shape
     q = tile_key_heads(q, n_value_heads) * (dk**-0.5)
     k = tile_key_heads(k, n_value_heads)
-    # Rows that write nothing at a token scatter into a throw-away slot past the end of the pool.
+    # Rows that write nothing at a token scatter out of bounds, which the scatter drops.
     targets = jnp.where(write_planes < 0, n_planes, write_planes)  # [B, T]
-    pool = jnp.concatenate([ssm_pool, jnp.zeros_like(ssm_pool[:1])], axis=0)
+    pool = ssm_pool
     state = ssm_pool[read_plane].astype(jnp.float32)  # [B, Hv, Dk, Dv]
 
     def step(carry, xs):
@@ -43,13 +43,13 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
         delta = beta_t[..., None] * (v_t - recalled)
         state = state + k_t[..., :, None] * delta[..., None, :]
         out = jnp.einsum("bhkv,bhk->bhv", state, q_t)
-        pool = pool.at[target_t].set(state)
+        pool = pool.at[target_t].set(state, mode="drop")
         return (state, pool), out
 
     time_major = lambda x: jnp.moveaxis(x, 1, 0)
     xs = tuple(map(time_major, (q, k, v, g, beta, targets)))
     (_, pool), out = jax.lax.scan(step, (state, pool), xs)
-    return time_major(out), pool[:n_planes]
+    return time_major(out), pool
 
 
 def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, final_only: bool = False):

@@ -12,11 +12,10 @@ from .weights import GatedDeltaNet
 
 
 def _scatter_planes(pool: jax.Array, targets: jax.Array, values: jax.Array) -> jax.Array:
-    """pool [N, ...] <- values [M, ...] at planes targets [M]; -1 targets are dropped."""
-    n_planes = pool.shape[0]
-    extended = jnp.concatenate([pool, jnp.zeros_like(pool[:1])], axis=0)
-    extended = extended.at[jnp.where(targets < 0, n_planes, targets)].set(values.astype(pool.dtype))
-    return extended[:n_planes]
+    """pool [N, ...] <- values [M, ...] at planes targets [M]; -1 targets are dropped (sent out of bounds, which
+    the scatter drops: no copy of the pool)."""
+    targets = jnp.where(targets < 0, pool.shape[0], targets)
+    return pool.at[targets].set(values.astype(pool.dtype), mode="drop")
 
 
 def gdn_mixer(

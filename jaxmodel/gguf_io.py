@@ -87,24 +87,28 @@ class _Tensors:
     def maybe(self, name: str, *shapes: tuple[int, ...]) -> np.ndarray | None:
         return self.get(name, *shapes) if self.has(name) else None
 
+    def matmul(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A matmul weight stored [..., n_out, n_in], returned in the pytree's [..., n_in, n_out] layout."""
+        return np.ascontiguousarray(np.swapaxes(self.get(name, shape), -1, -2))
+
 
 def _attention(ts: _Tensors, p: str, cfg: ModelConfig) -> Attention:
     E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
     if ts.has(p + "attn_qkv.weight"):
-        fused = ts.get(p + "attn_qkv.weight", (2 * H * D + 2 * Hkv * D, E))
-        q, k, v = np.split(fused, [2 * H * D, 2 * H * D + Hkv * D])
+        fused = ts.matmul(p + "attn_qkv.weight", (2 * H * D + 2 * Hkv * D, E))
+        q, k, v = np.split(fused, [2 * H * D, 2 * H * D + Hkv * D], axis=1)
         bias = ts.maybe(p + "attn_qkv.bias", (2 * H * D + 2 * Hkv * D,))
         q_bias, k_bias, v_bias = np.split(bias, [2 * H * D, 2 * H * D + Hkv * D]) if bias is not None else (None,) * 3
     else:
-        q = ts.get(p + "attn_q.weight", (2 * H * D, E))
-        k = ts.get(p + "attn_k.weight", (Hkv * D, E))
-        v = ts.get(p + "attn_v.weight", (Hkv * D, E))
+        q = ts.matmul(p + "attn_q.weight", (2 * H * D, E))
+        k = ts.matmul(p + "attn_k.weight", (Hkv * D, E))
+        v = ts.matmul(p + "attn_v.weight", (Hkv * D, E))
         q_bias = ts.maybe(p + "attn_q.bias", (2 * H * D,))
         k_bias = ts.maybe(p + "attn_k.bias", (Hkv * D,))
         v_bias = ts.maybe(p + "attn_v.bias", (Hkv * D,))
     return Attention(
         q=q, k=k, v=v,
-        o=ts.get(p + "attn_output.weight", (E, H * D)),
+        o=ts.matmul(p + "attn_output.weight", (E, H * D)),
         q_norm=ts.get(p + "attn_q_norm.weight", (D,)),
         k_norm=ts.get(p + "attn_k_norm.weight", (D,)),
         q_bias=q_bias, k_bias=k_bias, v_bias=v_bias,
@@ -114,15 +118,15 @@ def _attention(ts: _Tensors, p: str, cfg: ModelConfig) -> Attention:
 def _gdn(ts: _Tensors, p: str, cfg: ModelConfig) -> GatedDeltaNet:
     E, C, Hv, Dv, Kc = cfg.n_embd, cfg.conv_channels, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
     return GatedDeltaNet(
-        qkv=ts.get(p + "attn_qkv.weight", (C, E)),
-        gate=ts.get(p + "attn_gate.weight", (Hv * Dv, E)),
+        qkv=ts.matmul(p + "attn_qkv.weight", (C, E)),
+        gate=ts.matmul(p + "attn_gate.weight", (Hv * Dv, E)),
         conv=ts.get(p + "ssm_conv1d.weight", (C, Kc)),
         dt_bias=ts.get(p + "ssm_dt.bias", (Hv,)),
         a=ts.get(p + "ssm_a", (Hv,)),
-        beta=ts.get(p + "ssm_beta.weight", (Hv, E)),
-        alpha=ts.get(p + "ssm_alpha.weight", (Hv, E)),
+        beta=ts.matmul(p + "ssm_beta.weight", (Hv, E)),
+        alpha=ts.matmul(p + "ssm_alpha.weight", (Hv, E)),
         norm=ts.get(p + "ssm_norm.weight", (Dv,)),
-        out=ts.get(p + "ssm_out.weight", (E, Hv * Dv)),
+        out=ts.matmul(p + "ssm_out.weight", (E, Hv * Dv)),
     )
 
 
@@ -131,25 +135,25 @@ def _ffn(ts: _Tensors, p: str, cfg: ModelConfig) -> DenseFfn | MoeFfn:
     if not cfg.is_moe:
         F = cfg.n_ff
         return DenseFfn(
-            gate=ts.get(p + "ffn_gate.weight", (F, E)),
-            up=ts.get(p + "ffn_up.weight", (F, E)),
-            down=ts.get(p + "ffn_down.weight", (E, F)),
+            gate=ts.matmul(p + "ffn_gate.weight", (F, E)),
+            up=ts.matmul(p + "ffn_up.weight", (F, E)),
+            down=ts.matmul(p + "ffn_down.weight", (E, F)),
         )
     X, Fe, Fs = cfg.n_expert, cfg.n_ff_expert, cfg.n_ff_shared
     if ts.has(p + "ffn_gate_up_exps.weight"):
-        gate, up = np.split(ts.get(p + "ffn_gate_up_exps.weight", (X, 2 * Fe, E)), 2, axis=1)
+        gate, up = np.split(ts.matmul(p + "ffn_gate_up_exps.weight", (X, 2 * Fe, E)), 2, axis=2)
     else:
-        gate = ts.get(p + "ffn_gate_exps.weight", (X, Fe, E))
-        up = ts.get(p + "ffn_up_exps.weight", (X, Fe, E))
+        gate = ts.matmul(p + "ffn_gate_exps.weight", (X, Fe, E))
+        up = ts.matmul(p + "ffn_up_exps.weight", (X, Fe, E))
     return MoeFfn(
-        router=ts.get(p + "ffn_gate_inp.weight", (X, E)),
+        router=ts.matmul(p + "ffn_gate_inp.weight", (X, E)),
         gate=gate,
         up=up,
-        down=ts.get(p + "ffn_down_exps.weight", (X, E, Fe)),
+        down=ts.matmul(p + "ffn_down_exps.weight", (X, E, Fe)),
         shared_router=ts.get(p + "ffn_gate_inp_shexp.weight", (E,), (1, E)).reshape(E),
-        shared_gate=ts.get(p + "ffn_gate_shexp.weight", (Fs, E)),
-        shared_up=ts.get(p + "ffn_up_shexp.weight", (Fs, E)),
-        shared_down=ts.get(p + "ffn_down_shexp.weight", (E, Fs)),
+        shared_gate=ts.matmul(p + "ffn_gate_shexp.weight", (Fs, E)),
+        shared_up=ts.matmul(p + "ffn_up_shexp.weight", (Fs, E)),
+        shared_down=ts.matmul(p + "ffn_down_shexp.weight", (E, Fs)),
     )
 
 
@@ -176,19 +180,18 @@ def read_gguf(
     V, E = cfg.n_vocab, cfg.n_embd
     embed = ts.get("token_embd.weight", (V, E))
     output_norm = ts.get("output_norm.weight", (E,))
-    output = ts.maybe("output.weight", (V, E))
-    output = embed if output is None else output
+    output = ts.matmul("output.weight", (V, E)) if ts.has("output.weight") else np.ascontiguousarray(embed.T)
     layers = tuple(_layer(ts, i, cfg, cfg.recurrent[i]) for i in range(cfg.n_layer))
     mtp = None
     if cfg.n_mtp and load_mtp:
         p = f"blk.{cfg.n_layer}.nextn."
         mtp = Mtp(
-            eh_proj=ts.get(p + "eh_proj.weight", (E, 2 * E)),
+            eh_proj=ts.matmul(p + "eh_proj.weight", (E, 2 * E)),
             enorm=ts.get(p + "enorm.weight", (E,)),
             hnorm=ts.get(p + "hnorm.weight", (E,)),
             head_norm=_or(ts.maybe(p + "shared_head_norm.weight", (E,)), output_norm),
             embed=_or(ts.maybe(p + "embed_tokens.weight", (V, E)), embed),
-            head=_or(ts.maybe(p + "shared_head_head.weight", (V, E)), output),
+            head=ts.matmul(p + "shared_head_head.weight", (V, E)) if ts.has(p + "shared_head_head.weight") else output,
             layer=_layer(ts, cfg.n_layer, cfg, recurrent=False),
         )
     elif not load_mtp:
@@ -304,9 +307,13 @@ def write_gguf(
     if chat_template:
         w.add_chat_template(chat_template)
 
-    def put(name: str, array, matmul: bool = False):
+    def put(name: str, array, matmul: bool = False, lookup: bool = False):
+        """matmul: a pytree [.., n_in, n_out] weight, stored transposed; lookup: an embedding table. Both
+        take the export dtype."""
         a = np.asarray(array, dtype=np.float32)
-        if matmul and qtype != QT.F32 and a.ndim >= 2:
+        if matmul:
+            a = np.ascontiguousarray(np.swapaxes(a, -1, -2))
+        if (matmul or lookup) and qtype != QT.F32:
             if qtype == QT.F16:
                 w.add_tensor(name, a.astype(np.float16))
             else:
@@ -314,9 +321,10 @@ def write_gguf(
         else:
             w.add_tensor(name, a)
 
-    put("token_embd.weight", weights.embed, matmul=True)
+    put("token_embd.weight", weights.embed, lookup=True)
     put("output_norm.weight", weights.output_norm)
-    if weights.output is not weights.embed:
+    tied = weights.output.shape == weights.embed.T.shape and np.array_equal(weights.output, weights.embed.T)
+    if not tied:
         put("output.weight", weights.output, matmul=True)
     for i, layer in enumerate(weights.layers):
         _put_layer(put, f"blk.{i}.", layer)
@@ -328,7 +336,7 @@ def write_gguf(
         put(p + "nextn.hnorm.weight", m.hnorm)
         put(p + "nextn.shared_head_norm.weight", m.head_norm)
         if m.embed is not weights.embed:
-            put(p + "nextn.embed_tokens.weight", m.embed, matmul=True)
+            put(p + "nextn.embed_tokens.weight", m.embed, lookup=True)
         if m.head is not weights.output:
             put(p + "nextn.shared_head_head.weight", m.head, matmul=True)
     w.write_header_to_file()
@@ -374,7 +382,7 @@ def _put_layer(put, p: str, layer: Layer) -> None:
         put(p + "ffn_up.weight", ffn.up, matmul=True)
         put(p + "ffn_down.weight", ffn.down, matmul=True)
     else:
-        put(p + "ffn_gate_inp.weight", ffn.router)
+        put(p + "ffn_gate_inp.weight", ffn.router, matmul=True)
         put(p + "ffn_gate_exps.weight", ffn.gate, matmul=True)
         put(p + "ffn_up_exps.weight", ffn.up, matmul=True)
         put(p + "ffn_down_exps.weight", ffn.down, matmul=True)

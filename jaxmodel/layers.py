@@ -16,8 +16,8 @@ def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """x [..., n_in] @ w[n_out, n_in].T -> [..., n_out], float32."""
-    y = jnp.einsum("...i,oi->...o", as_matmul_input(x, w), w, preferred_element_type=jnp.float32)
+    """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32."""
+    y = jnp.einsum("...i,io->...o", as_matmul_input(x, w), w, preferred_element_type=jnp.float32)
     return y if bias is None else y + bias
 
 
@@ -103,8 +103,8 @@ def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     top_p = top_p / jnp.maximum(jnp.sum(top_p, axis=-1, keepdims=True), 6.1035e-5)
     weights = jnp.sum(jax.nn.one_hot(top_i, cfg.n_expert, dtype=x.dtype) * top_p[..., None], axis=-2)  # [..., X]
     xg, xu = as_matmul_input(x, w.gate), as_matmul_input(x, w.up)
-    hidden = jax.nn.silu(jnp.einsum("...e,xfe->...xf", xg, w.gate)) * jnp.einsum("...e,xfe->...xf", xu, w.up)
-    per_expert = jnp.einsum("...xf,xef->...xe", as_matmul_input(hidden, w.down), w.down)
+    hidden = jax.nn.silu(jnp.einsum("...e,xef->...xf", xg, w.gate)) * jnp.einsum("...e,xef->...xf", xu, w.up)
+    per_expert = jnp.einsum("...xf,xfe->...xe", as_matmul_input(hidden, w.down), w.down)
     routed = jnp.einsum("...xe,...x->...e", per_expert, weights)
     shared = linear(jax.nn.silu(linear(x, w.shared_gate)) * linear(x, w.shared_up), w.shared_down)
     return routed + jax.nn.sigmoid(jnp.sum(x * w.shared_router, axis=-1, keepdims=True)) * shared

@@ -22,7 +22,7 @@ from .weights import Layer, Mtp, Weights
 
 
 def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array) -> jax.Array:
-    """hidden [B, T, E], rows [B, R] -> logits [B, R, V]."""
+    """hidden [B, T, E], rows [B, R], head [E, V] -> logits [B, R, V]."""
     return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head)
 
 

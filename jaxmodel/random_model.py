@@ -28,7 +28,7 @@ def _attention(rng, cfg: ModelConfig, scale: float) -> Attention:
     E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
     normal = lambda *shape: (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
     return Attention(
-        q=normal(2 * H * D, E), k=normal(Hkv * D, E), v=normal(Hkv * D, E), o=normal(E, H * D),
+        q=normal(E, 2 * H * D), k=normal(E, Hkv * D), v=normal(E, Hkv * D), o=normal(H * D, E),
         q_norm=1 + normal(D), k_norm=1 + normal(D),
     )  # fmt: skip
 
@@ -38,9 +38,9 @@ def _layer(rng, cfg: ModelConfig, recurrent: bool, scale: float) -> Layer:
     normal = lambda *shape: (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
     if recurrent:
         mixer = GatedDeltaNet(
-            qkv=normal(C, E), gate=normal(Hv * Dk, E), conv=normal(C, cfg.conv_kernel) * 10,
+            qkv=normal(E, C), gate=normal(E, Hv * Dk), conv=normal(C, cfg.conv_kernel) * 10,
             dt_bias=normal(Hv), a=-np.exp(rng.uniform(0, 2.7, Hv)).astype(np.float32),
-            beta=normal(Hv, E), alpha=normal(Hv, E), norm=1 + normal(Dk), out=normal(E, Hv * Dk),
+            beta=normal(E, Hv), alpha=normal(E, Hv), norm=1 + normal(Dk), out=normal(Hv * Dk, E),
         )  # fmt: skip
     else:
         mixer = _attention(rng, cfg, scale)
@@ -48,7 +48,7 @@ def _layer(rng, cfg: ModelConfig, recurrent: bool, scale: float) -> Layer:
         attn_norm=1 + normal(E),
         post_norm=1 + normal(E),
         mixer=mixer,
-        ffn=DenseFfn(gate=normal(F, E), up=normal(F, E), down=normal(E, F)),
+        ffn=DenseFfn(gate=normal(E, F), up=normal(E, F), down=normal(F, E)),
     )
 
 
@@ -61,13 +61,13 @@ def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> Weig
     E, V = cfg.n_embd, cfg.n_vocab
     normal = lambda *shape: (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
     embed = normal(V, E)
-    output = normal(V, E)
+    output = normal(E, V)
     output_norm = 1 + normal(E)
     layers = tuple(_layer(rng, cfg, cfg.recurrent[i], scale) for i in range(cfg.n_layer))
     mtp = None
     if cfg.n_mtp:
         mtp = Mtp(
-            eh_proj=normal(E, 2 * E), enorm=1 + normal(E), hnorm=1 + normal(E), head_norm=output_norm,
+            eh_proj=normal(2 * E, E), enorm=1 + normal(E), hnorm=1 + normal(E), head_norm=output_norm,
             embed=embed, head=output, layer=_layer(rng, cfg, False, scale),
         )  # fmt: skip
     return Weights(embed=embed, output_norm=output_norm, output=output, layers=layers, mtp=mtp)
