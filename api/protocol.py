@@ -284,7 +284,7 @@ def _resolve_speculative(
                      f"this server knows {list(lim.known_drafters)}")
     if len(set(drafters)) != len(drafters):
         return error(msg.id, "bad_value", f"drafters {list(drafters)} repeat a name - at `$.speculative.drafters`")
-    n_max = spec.n_max if spec.n_max is not None else min(d.n_max, lim.max_n_max)
+    n_max = spec.n_max if spec.n_max is not None else d.n_max
     if n_max > lim.max_n_max:
         return error(msg.id, "bad_value", f"n_max {n_max} exceeds this server's {lim.max_n_max} - at "
                                           "`$.speculative.n_max`")

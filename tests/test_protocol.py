@@ -247,6 +247,24 @@ def test_schema_entry_point_prints_the_schema():
     assert set(doc["$defs"]["Error"]["properties"]["code"]["enum"]) == set(ERROR_CODES)
 
 
+def test_every_json_example_in_the_protocol_doc_is_a_valid_message():
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    examples = [block.split("```", 1)[0] for block in text.split("```json\n")[1:]]
+    assert len(examples) >= 8
+    decoders = [msgspec.json.Decoder(ClientMessage), msgspec.json.Decoder(ServerMessage)]
+    types = set()
+    for example in examples:
+        decoded = []
+        for decoder in decoders:
+            try:
+                decoded.append(decoder.decode(example))
+            except msgspec.ValidationError:
+                pass
+        assert len(decoded) == 1, example
+        types.add(type(decoded[0]))
+    assert types == {Generate, Cancel, Tokens, Done, Error}
+
+
 # ------------------------------------------------------------------------------------------------ chat
 
 
