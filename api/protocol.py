@@ -1,0 +1,464 @@
+"""The websocket protocol: message types, server settings, validation, and per-connection state.
+
+Frames are JSON text frames. Every frame is one object whose ``type`` field names the message (msgspec tagged
+unions). Several requests share one connection; a client-chosen ``id`` names each request.
+
+Client -> server: ``generate`` (start a request), ``cancel`` (stop one).
+Server -> client: ``tokens`` (a streamed chunk), ``done`` (the last frame of a request), ``error`` (a rejected
+frame or request; with an id it is the last frame of that request, except ``unknown_id``).
+
+The server plugs in through :class:`Connection`, a Sans-I/O object holding one typed decoder and the ids in
+flight: ``connection.receive(frame)`` returns a resolved :class:`GenerateRequest`, a :class:`Cancel`, or an
+:class:`Error` to send back. ``python -m api.protocol --schema`` prints the JSON Schema (docs/protocol.schema.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+__all__ = [
+    "ChatMessage", "Speculative", "Generate", "Cancel", "ClientMessage",
+    "Usage", "DrafterStats", "RollbackSteps", "SpecStats", "Timings", "Tokens", "Done", "Error", "ServerMessage",
+    "Rollback", "FinishReason", "ErrorCode", "ERROR_CODES",
+    "Defaults", "Limits", "ServerSettings", "SpeculativePolicy", "GenerateRequest",
+    "resolve_generate", "check_prompt_tokens", "error", "Connection", "schema", "schema_json",
+]
+
+Rollback = Literal["auto", "snapshot", "checkpoint"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+ErrorCode = Literal[
+    "bad_json", "bad_message", "bad_value", "unknown_drafter", "prompt_too_long", "too_many_requests",
+    "duplicate_id", "unknown_id", "message_too_large", "internal",
+]
+ERROR_CODES: tuple[str, ...] = ErrorCode.__args__
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=128, description="Client-chosen request id.")]
+TokenId = Annotated[int, Meta(ge=0)]
+MAX_SEED = 2**63 - 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Client -> server
+
+
+class ChatMessage(Struct, frozen=True, forbid_unknown_fields=True):
+    """One chat turn, rendered into a prompt by the model's chat template."""
+
+    role: Annotated[str, Meta(min_length=1, description="system, user, assistant, ...")]
+    content: str
+
+
+class Speculative(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Speculative-decoding policy of one request; a missing or null field takes the server's default."""
+
+    drafters: (
+        Annotated[list[str], Meta(description="Drafter names in order of preference; [] = plain decoding.")]
+        | None
+    ) = None
+    n_max: Annotated[int, Meta(ge=1, description="Longest draft per step.")] | None = None
+    n_min: Annotated[int, Meta(ge=0, description="Shortest draft worth verifying.")] | None = None
+    p_min: (
+        Annotated[float, Meta(ge=0.0, le=1.0, description="Stop drafting below this draft probability.")] | None
+    ) = None
+    rollback: Annotated[Rollback, Meta(description="How rejected drafts are rolled back.")] | None = None
+
+
+class Generate(Struct, frozen=True, tag="generate", forbid_unknown_fields=True, omit_defaults=True):
+    """Start a request. Exactly one of prompt, prompt_ids, messages. Missing or null fields take server defaults;
+    ``speculative`` missing means the server's default policy, null means plain decoding."""
+
+    id: RequestId
+    prompt: Annotated[str, Meta(min_length=1, description="Raw text, tokenized as is.")] | None = None
+    prompt_ids: Annotated[list[TokenId], Meta(min_length=1, description="Token ids.")] | None = None
+    messages: (
+        Annotated[list[ChatMessage], Meta(min_length=1, description="Chat turns, rendered with the chat template.")]
+        | None
+    ) = None
+    max_tokens: Annotated[int, Meta(ge=1, description="Most tokens to generate.")] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0, description="0 = greedy.")] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, description="0 = off.")] | None = None
+    seed: Annotated[int, Meta(ge=0, le=MAX_SEED, description="Missing: the server draws one.")] | None = None
+    stop: (
+        Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16, description="Stop strings.")]
+        | None
+    ) = None
+    speculative: Speculative | None | UnsetType = UNSET
+
+
+class Cancel(Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
+    """Stop a request; the server answers with its ``done`` (finish_reason ``cancelled``)."""
+
+    id: RequestId
+
+
+ClientMessage = Generate | Cancel
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Server -> client
+
+
+class Usage(Struct, frozen=True):
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class DrafterStats(Struct, frozen=True):
+    """Draft tokens one drafter proposed for a request and how many of them the target accepted."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+
+class RollbackSteps(Struct, frozen=True):
+    """Verification steps of a request per rollback mode."""
+
+    snapshot: int = 0
+    checkpoint: int = 0
+
+
+class SpecStats(Struct, frozen=True):
+    """Speculative-decoding statistics of one request (empty for plain decoding)."""
+
+    drafters: dict[str, DrafterStats] = {}
+    rollback: RollbackSteps = RollbackSteps()
+
+
+class Timings(Struct, frozen=True):
+    """Server-side timings of one request."""
+
+    queue_ms: Annotated[float, Meta(description="Arrival to first scheduled step.")]
+    ttft_ms: Annotated[float, Meta(description="Arrival to first token; null if none was produced.")] | None
+    tokens_per_s: Annotated[float, Meta(description="Completion tokens per second after the first token.")]
+
+
+class Tokens(Struct, frozen=True, tag="tokens"):
+    """A chunk of generated tokens. ``text`` is the UTF-8-safe text delta (it may lag token_ids while a
+    multi-byte character or a possible stop string is incomplete)."""
+
+    id: str
+    token_ids: list[int]
+    text: str
+    n_from_drafts: Annotated[int, Meta(ge=0, description="How many of token_ids were accepted drafts.")]
+
+
+class Done(Struct, frozen=True, tag="done"):
+    """The last frame of a request."""
+
+    id: str
+    finish_reason: FinishReason
+    usage: Usage
+    spec: SpecStats
+    timings: Timings
+
+
+class Error(Struct, frozen=True, tag="error"):
+    """A rejected frame. With an id it ends that request (except ``unknown_id``, which changes nothing); with a
+    null id it concerns the connection's frame as a whole. The connection and other requests live on."""
+
+    id: str | None
+    code: ErrorCode
+    message: str
+
+
+ServerMessage = Tokens | Done | Error
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Server settings
+
+
+class Defaults(Struct, frozen=True, forbid_unknown_fields=True):
+    """Values a request gets for the fields it leaves out."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    drafters: tuple[str, ...] = ("ngram",)
+    n_max: int = 4
+    n_min: int = 1
+    p_min: float = 0.75
+    rollback: Rollback = "auto"
+
+
+class Limits(Struct, frozen=True, forbid_unknown_fields=True):
+    """What the server accepts."""
+
+    max_prompt_tokens: int = 32768
+    max_max_tokens: int = 8192
+    max_message_bytes: int = 2 * 1024 * 1024
+    max_in_flight: int = 64
+    max_n_max: int = 64
+    known_drafters: tuple[str, ...] = ("ngram",)
+    vocab_size: int | None = None
+
+
+class ServerSettings(Struct, frozen=True, forbid_unknown_fields=True):
+    """Defaults and limits together; the defaults must satisfy the limits."""
+
+    defaults: Defaults = Defaults()
+    limits: Limits = Limits()
+
+    def __post_init__(self) -> None:
+        d, lim = self.defaults, self.limits
+        unknown = [n for n in d.drafters if n not in lim.known_drafters]
+        if unknown:
+            raise ValueError(f"default drafters {unknown} are not in known_drafters {list(lim.known_drafters)}")
+        if not 1 <= d.max_tokens <= lim.max_max_tokens:
+            raise ValueError(f"default max_tokens {d.max_tokens} is not in [1, {lim.max_max_tokens}]")
+        if not 0 <= d.n_min <= d.n_max <= lim.max_n_max:
+            raise ValueError(f"defaults need 0 <= n_min {d.n_min} <= n_max {d.n_max} <= {lim.max_n_max}")
+
+
+@dataclass(frozen=True)
+class SpeculativePolicy:
+    """A resolved speculative policy: drafters in order, draft lengths, draft probability floor, rollback mode."""
+
+    drafters: tuple[str, ...]
+    n_max: int
+    n_min: int
+    p_min: float
+    rollback: Rollback
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A validated ``generate`` with every default filled in. Exactly one of prompt / prompt_ids / messages is
+    set; ``speculative`` is None for plain decoding."""
+
+    id: str
+    prompt: str | None
+    prompt_ids: tuple[int, ...] | None
+    messages: tuple[ChatMessage, ...] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: tuple[str, ...]
+    speculative: SpeculativePolicy | None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation
+
+
+def error(request_id: str | None, code: ErrorCode, message: str) -> Error:
+    """Build an ``error`` frame."""
+    return Error(id=request_id, code=code, message=message)
+
+
+def _random_seed() -> int:
+    return secrets.randbits(63)
+
+
+def _resolve_speculative(
+    msg: Generate, settings: ServerSettings
+) -> SpeculativePolicy | None | Error:
+    d, lim = settings.defaults, settings.limits
+    spec = msg.speculative
+    if spec is None:
+        return None
+    if spec is UNSET:
+        spec = Speculative()
+    drafters = tuple(spec.drafters) if spec.drafters is not None else d.drafters
+    if not drafters:
+        return None
+    unknown = [n for n in drafters if n not in lim.known_drafters]
+    if unknown:
+        return error(msg.id, "unknown_drafter",
+                     f"unknown drafter(s) {unknown} at `$.speculative.drafters`; "
+                     f"this server knows {list(lim.known_drafters)}")
+    if len(set(drafters)) != len(drafters):
+        return error(msg.id, "bad_value", f"drafters {list(drafters)} repeat a name - at `$.speculative.drafters`")
+    n_max = spec.n_max if spec.n_max is not None else d.n_max
+    if n_max > lim.max_n_max:
+        return error(msg.id, "bad_value", f"n_max {n_max} exceeds this server's {lim.max_n_max} - at "
+                                          "`$.speculative.n_max`")
+    n_min = spec.n_min if spec.n_min is not None else min(d.n_min, n_max)
+    if n_min > n_max:
+        return error(msg.id, "bad_value", f"n_min {n_min} exceeds n_max {n_max} - at `$.speculative.n_min`")
+    return SpeculativePolicy(
+        drafters=drafters,
+        n_max=n_max,
+        n_min=n_min,
+        p_min=spec.p_min if spec.p_min is not None else d.p_min,
+        rollback=spec.rollback if spec.rollback is not None else d.rollback,
+    )
+
+
+def resolve_generate(
+    msg: Generate, settings: ServerSettings, seed_source: Callable[[], int] = _random_seed
+) -> GenerateRequest | Error:
+    """Check a decoded ``generate`` against the server's limits and fill in its defaults.
+
+    Returns the resolved request, or an ``error`` frame (code ``bad_value``, ``unknown_drafter`` or
+    ``prompt_too_long``) whose message names the offending field. ``seed_source`` draws the seed of a request
+    that has none. Prompt length is checked here only for ``prompt_ids``; text and chat prompts are checked
+    with :func:`check_prompt_tokens` after tokenization.
+    """
+    d, lim = settings.defaults, settings.limits
+    given = [name for name in ("prompt", "prompt_ids", "messages") if getattr(msg, name) is not None]
+    if len(given) != 1:
+        return error(msg.id, "bad_value",
+                     f"exactly one of prompt, prompt_ids, messages is required; got {given or 'none'}")
+    if msg.prompt_ids is not None:
+        if lim.vocab_size is not None:
+            for i, tok in enumerate(msg.prompt_ids):
+                if tok >= lim.vocab_size:
+                    return error(msg.id, "bad_value",
+                                 f"token id {tok} is not below vocab_size {lim.vocab_size} - at `$.prompt_ids[{i}]`")
+        too_long = check_prompt_tokens(msg.id, len(msg.prompt_ids), lim)
+        if too_long is not None:
+            return too_long
+    max_tokens = msg.max_tokens if msg.max_tokens is not None else d.max_tokens
+    if max_tokens > lim.max_max_tokens:
+        return error(msg.id, "bad_value",
+                     f"max_tokens {max_tokens} exceeds this server's {lim.max_max_tokens} - at `$.max_tokens`")
+    spec = _resolve_speculative(msg, settings)
+    if isinstance(spec, Error):
+        return spec
+    return GenerateRequest(
+        id=msg.id,
+        prompt=msg.prompt,
+        prompt_ids=tuple(msg.prompt_ids) if msg.prompt_ids is not None else None,
+        messages=tuple(msg.messages) if msg.messages is not None else None,
+        max_tokens=max_tokens,
+        temperature=msg.temperature if msg.temperature is not None else d.temperature,
+        top_p=msg.top_p if msg.top_p is not None else d.top_p,
+        top_k=msg.top_k if msg.top_k is not None else d.top_k,
+        seed=msg.seed if msg.seed is not None else seed_source(),
+        stop=tuple(msg.stop) if msg.stop is not None else (),
+        speculative=spec,
+    )
+
+
+def check_prompt_tokens(request_id: str, n_tokens: int, limits: Limits) -> Error | None:
+    """The ``prompt_too_long`` error for a prompt of ``n_tokens`` tokens, or None when it fits."""
+    if n_tokens > limits.max_prompt_tokens:
+        return error(request_id, "prompt_too_long",
+                     f"prompt has {n_tokens} tokens; this server accepts at most {limits.max_prompt_tokens}")
+    return None
+
+
+class _IdOnly(Struct):
+    id: str | None = None
+
+
+_id_decoder = msgspec.json.Decoder(_IdOnly)
+
+
+class Connection:
+    """Protocol state of one websocket connection (Sans-I/O): one typed decoder and the request ids in flight.
+
+    The server passes every received frame to :meth:`receive` and acts on the result: start a
+    :class:`GenerateRequest`, cancel the request a :class:`Cancel` names, or send the :class:`Error` back. After
+    it sends the final frame (``done``, or ``error`` with the id) of an accepted request, it calls :meth:`finish`.
+    """
+
+    def __init__(self, settings: ServerSettings, seed_source: Callable[[], int] = _random_seed) -> None:
+        self.settings = settings
+        self._seed_source = seed_source
+        self._decoder = msgspec.json.Decoder(ClientMessage)
+        self._encoder = msgspec.json.Encoder()
+        self._in_flight: set[str] = set()
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """Ids of accepted requests whose final frame has not been sent."""
+        return frozenset(self._in_flight)
+
+    def _reply_id(self, frame: str | bytes) -> str | None:
+        """The frame's id, if it has one that is not in flight (an error must not end a running request)."""
+        try:
+            rid = _id_decoder.decode(frame).id
+        except msgspec.DecodeError:
+            return None
+        return rid if rid is not None and rid not in self._in_flight else None
+
+    def receive(self, frame: str | bytes) -> GenerateRequest | Cancel | Error:
+        """Decode and check one frame. An accepted ``generate`` is registered as in flight."""
+        lim = self.settings.limits
+        size = len(frame) if isinstance(frame, bytes) else len(frame.encode("utf-8", "surrogatepass"))
+        if size > lim.max_message_bytes:
+            return error(self._reply_id(frame), "message_too_large",
+                         f"frame of {size} bytes exceeds this server's {lim.max_message_bytes}")
+        try:
+            msg = self._decoder.decode(frame)
+        except msgspec.ValidationError as exc:
+            return error(self._reply_id(frame), "bad_message", str(exc))
+        except msgspec.DecodeError as exc:
+            return error(None, "bad_json", str(exc))
+        if isinstance(msg, Cancel):
+            if msg.id not in self._in_flight:
+                return error(msg.id, "unknown_id", f"no request {msg.id!r} is in flight on this connection")
+            return msg
+        if msg.id in self._in_flight:
+            return error(None, "duplicate_id", f"request {msg.id!r} is already in flight on this connection")
+        if len(self._in_flight) >= lim.max_in_flight:
+            return error(msg.id, "too_many_requests",
+                         f"{len(self._in_flight)} requests are in flight; this server allows {lim.max_in_flight} "
+                         "per connection")
+        resolved = resolve_generate(msg, self.settings, self._seed_source)
+        if isinstance(resolved, GenerateRequest):
+            self._in_flight.add(resolved.id)
+        return resolved
+
+    def finish(self, request_id: str) -> None:
+        """Forget a request after its final frame was sent; its id may be used again."""
+        self._in_flight.discard(request_id)
+
+    def encode(self, msg: Tokens | Done | Error) -> bytes:
+        """Encode a server frame as UTF-8 JSON (send it as a text frame)."""
+        return self._encoder.encode(msg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# JSON Schema
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of the protocol: ``$defs`` holds ClientMessage, ServerMessage and every struct."""
+    (client, server), components = msgspec.json.schema_components(
+        [ClientMessage, ServerMessage], ref_template="#/$defs/{name}"
+    )
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "gdnspec websocket protocol",
+        "description": "JSON text frames; a client sends ClientMessage frames and receives ServerMessage frames.",
+        "$defs": {"ClientMessage": client, "ServerMessage": server, **components},
+    }
+
+
+def schema_json() -> str:
+    """The schema as the exact text of docs/protocol.schema.json."""
+    return json.dumps(schema(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m api.protocol --schema`` prints the JSON Schema."""
+    parser = argparse.ArgumentParser(prog="python -m api.protocol", description=__doc__.splitlines()[0])
+    parser.add_argument("--schema", action="store_true", help="print the protocol's JSON Schema")
+    args = parser.parse_args(argv)
+    if not args.schema:
+        parser.print_help()
+        return 2
+    sys.stdout.write(schema_json())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
