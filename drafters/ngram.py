@@ -61,10 +61,15 @@ class NgramIndex:
         if len(tokens) < self.indexed_len:  # not an extension: a new sequence under an old id
             self.latest_end.clear()
             self.indexed_len = 0
-        for end in range(max(self.indexed_len, 1), len(tokens)):  # n-grams ending at end - 1, before the last token
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.latest_end[tuple(tokens[end - n : end])] = end
-                self.n_inserted += 1
+        first_end, stop = max(self.indexed_len, 1), len(tokens)  # new n-grams end (exclusive) in [first_end, stop)
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(first_end, n)
+            if first >= stop:
+                continue
+            window = tokens[first - n : stop - 1]
+            grams = zip(*(window[i:] for i in range(n)))  # the n-grams ending at first, first + 1, ..., stop - 1
+            self.latest_end.update(zip(grams, range(first, stop)))  # later (more recent) ends overwrite
+            self.n_inserted += stop - first
         self.indexed_len = max(self.indexed_len, len(tokens))
 
     def draft(self, tokens: Sequence[int], n_max: int) -> list[int]:
