@@ -1,0 +1,198 @@
+"""The websocket server: one connection, many requests multiplexed by id, each streamed from the engine.
+
+Each connection has its own task group: a reader (frames -> `api.protocol.Connection` -> request tasks), one
+task per request (engine events -> frames), and a writer draining a bounded outbound stream. A client too slow
+to drain its stream gets its connection closed with 1008 and its requests cancelled, so it never stalls others.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import anyio
+import websockets
+from anyio.abc import TaskGroup
+from websockets.asyncio.server import ServerConnection, serve
+
+from scheduler.engine import Engine, GenerationRequest, RequestTiming
+from scheduler.runner import Sampling
+from scheduler.types import DoneEvent, TokensEvent
+from drafters.policy import SpeculativeConfig
+
+from .chat import ChatTemplateError, render_chat
+from .protocol import (Cancel, Connection, Done, DrafterStats, Error, GenerateRequest, RollbackSteps,
+                       ServerSettings, SpecStats, Timings, Tokens, Usage, check_prompt_tokens, error)
+
+log = logging.getLogger("gdnspec.server")
+
+OUTBOUND_FRAMES = 1024  # per connection; a client this far behind is closed (1008)
+
+
+class SlowClient(Exception):
+    pass
+
+
+@dataclass
+class _Outbound:
+    send: anyio.abc.ObjectSendStream
+    connection: Connection
+
+    def put(self, message: Tokens | Done | Error) -> None:
+        try:
+            self.send.send_nowait(self.connection.encode(message))
+        except anyio.WouldBlock:
+            raise SlowClient from None
+
+
+class Server:
+    """Serves an engine over websockets. `tokenizer` turns prompts and chat messages into ids."""
+
+    def __init__(self, engine: Engine, tokenizer, settings: ServerSettings):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.chat_template = tokenizer.chat_template if tokenizer is not None else None
+
+    async def handle(self, ws: ServerConnection) -> None:
+        connection = Connection(self.settings)
+        send, receive = anyio.create_memory_object_stream(OUTBOUND_FRAMES)
+        outbound = _Outbound(send, connection)
+        requests: dict[str, anyio.CancelScope] = {}
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._writer, ws, receive)
+                await self._reader(ws, connection, outbound, requests, tg)
+                tg.cancel_scope.cancel()
+        except* SlowClient:
+            log.warning("closing a slow client: %d frames waiting", OUTBOUND_FRAMES)
+            await ws.close(1008, "client too slow to read its stream")
+        except* websockets.ConnectionClosed:
+            pass
+
+    async def _writer(self, ws: ServerConnection, receive) -> None:
+        async with receive:
+            async for frame in receive:
+                await ws.send(frame, text=True)
+
+    async def _reader(self, ws, connection: Connection, outbound: _Outbound, requests, tg: TaskGroup) -> None:
+        try:
+            async for frame in ws:
+                result = connection.receive(frame)
+                match result:
+                    case Error():
+                        outbound.put(result)
+                    case Cancel(id=request_id):
+                        scope = requests.get(request_id)
+                        if scope is not None:
+                            scope.cancel()
+                    case GenerateRequest():
+                        prepared = self._prepare(result)
+                        if isinstance(prepared, Error):
+                            outbound.put(prepared)
+                            connection.finish(result.id)
+                        else:
+                            scope = anyio.CancelScope()
+                            requests[result.id] = scope
+                            tg.start_soon(self._run, result, prepared, scope, outbound, requests)
+        except websockets.ConnectionClosed:
+            pass
+        finally:  # the client went away: its requests are cancelled with the task group
+            for scope in requests.values():
+                scope.cancel()
+
+    def _prepare(self, request: GenerateRequest) -> GenerationRequest | Error:
+        if request.prompt_ids is not None:
+            ids = list(request.prompt_ids)
+            vocab = self.engine.model.cfg.n_vocab
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                return error(request.id, "bad_value", f"prompt_ids {bad[:5]} are outside the vocabulary of {vocab}")
+        elif self.tokenizer is None:
+            return error(request.id, "bad_value", "this model has no tokenizer; send prompt_ids")
+        elif request.messages is not None:
+            if not self.chat_template:
+                return error(request.id, "bad_value", "this model has no chat template; send prompt or prompt_ids")
+            try:
+                text = render_chat(self.chat_template, [{"role": m.role, "content": m.content} for m in request.messages])
+            except ChatTemplateError as exc:
+                return error(request.id, "bad_value", f"chat template failed: {exc}")
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = self.tokenizer.encode(request.prompt)
+        if not ids:
+            return error(request.id, "bad_value", "the prompt tokenizes to nothing")
+        too_long = check_prompt_tokens(request.id, len(ids), self.settings.limits)
+        if too_long is not None:
+            return too_long
+        spec = request.speculative
+        speculative = None
+        if spec is not None and spec.drafters:
+            speculative = SpeculativeConfig(tuple(spec.drafters), n_max=spec.n_max, n_min=max(spec.n_min, 1),
+                                            p_min=spec.p_min)  # fmt: skip
+        return GenerationRequest(
+            prompt_ids=tuple(ids),
+            max_tokens=request.max_tokens,
+            sampling=Sampling(request.temperature, request.top_p, request.top_k, request.seed),
+            stop=request.stop,
+            speculative=speculative,
+            rollback=spec.rollback if spec is not None else "auto",
+        )
+
+    async def _run(self, request: GenerateRequest, prepared: GenerationRequest, scope: anyio.CancelScope,
+                   outbound: _Outbound, requests) -> None:
+        timing = RequestTiming()
+        completion, done = 0, None
+        with scope:
+            async for event in self.engine.generate(prepared, timing):
+                if isinstance(event, TokensEvent):
+                    completion += len(event.token_ids)
+                    outbound.put(Tokens(request.id, list(event.token_ids), event.text, event.n_from_drafts))
+                else:
+                    done = event
+        requests.pop(request.id, None)
+        frame = self._done_frame(request.id, prepared, done, completion, timing)
+        outbound.put(frame)
+        outbound.connection.finish(request.id)
+        spec = frame.spec
+        acceptance = ", ".join(f"{k} {v.accepted}/{v.drafted}" for k, v in spec.drafters.items()) or "none"
+        log.info("request %s: %d+%d tokens, %s, accepted %s, snapshot %d / checkpoint %d steps, %.1f tokens/s",
+                 request.id, frame.usage.prompt_tokens, frame.usage.completion_tokens, frame.finish_reason,
+                 acceptance, spec.rollback.snapshot, spec.rollback.checkpoint, frame.timings.tokens_per_s)
+
+    @staticmethod
+    def _done_frame(request_id: str, prepared: GenerationRequest, done: DoneEvent | None, completion: int,
+                    timing: RequestTiming) -> Done:
+        now = time.perf_counter()
+        first = timing.first_token
+        tokens_per_s = completion / (now - first) if first is not None and now > first and completion else 0.0
+        timings = Timings(
+            queue_ms=((timing.scheduled or now) - timing.arrived) * 1e3,
+            ttft_ms=(first - timing.arrived) * 1e3 if first is not None else None,
+            tokens_per_s=tokens_per_s,
+        )
+        if done is None:  # cancelled by the client, its disconnection or the server's shutdown
+            return Done(request_id, "cancelled", Usage(len(prepared.prompt_ids), completion), SpecStats(), timings)
+        spec = SpecStats(
+            drafters={name: DrafterStats(s.drafted, s.accepted) for name, s in done.drafters.items()},
+            rollback=RollbackSteps(done.rollback_steps.get("snapshot", 0), done.rollback_steps.get("checkpoint", 0)),
+        )
+        usage = Usage(done.prompt_tokens, done.completion_tokens)
+        return Done(request_id, done.finish_reason, usage, spec, timings)
+
+
+async def run_server(server: Server, host: str, port: int, *, ready=None, shutdown: anyio.Event | None = None) -> None:
+    """Serve until `shutdown` is set (or forever). ready(port) is called once listening (port 0 picks one)."""
+    max_size = server.settings.limits.max_message_bytes * 2 + 1024  # oversized frames get an error, not a close
+    async with serve(server.handle, host, port, max_size=max_size) as ws_server:
+        bound = ws_server.sockets[0].getsockname()[1]
+        log.info("serving on ws://%s:%d", host, bound)
+        if ready is not None:
+            ready(bound)
+        if shutdown is None:
+            await anyio.sleep(math.inf)
+        else:
+            await shutdown.wait()
+        ws_server.close(close_connections=False)

@@ -1,0 +1,295 @@
+"""The engine: the only async part. One task group owns the step loop; requests come in and events go out through
+anyio memory object streams; each step (drafting, the target step, verification, commits) runs in a worker thread
+so the event loop stays responsive.
+
+    async with Engine(model, budget_bytes=64 << 20) as engine:
+        async for event in engine.generate(GenerationRequest(prompt_ids=(1, 2, 3), max_tokens=32)):
+            ...
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from drafters.base import DraftRequest, Drafter
+from drafters.draft_model import DraftModelDrafter
+from drafters.mtp import MtpDrafter
+from drafters.ngram import NgramDrafter
+from drafters.policy import DrafterPolicy, PolicyParams, SpeculativeConfig
+from jaxmodel.model import Model
+from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
+
+from .core import Scheduler
+from .memory import MemoryManager, pool_sizes
+from .runner import Runner, Sampling, VerifyRow
+from .types import Committed, DoneEvent, Event, Request, StepPlan, TokensEvent
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a client asks for, in token ids. speculative None: plain decoding."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = 128
+    sampling: Sampling = field(default_factory=Sampling)
+    stop: tuple[str, ...] = ()
+    speculative: SpeculativeConfig | None = None
+    rollback: str = "auto"
+
+
+@dataclass
+class RequestTiming:
+    """perf_counter() instants of one request, filled in by the engine as they happen."""
+
+    arrived: float = 0.0
+    scheduled: float | None = None  # first step that computed any of its tokens
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(frozen=True)
+class _Params:
+    sampling: Sampling
+    speculative: SpeculativeConfig | None
+    timing: RequestTiming
+
+
+class _NullDetokenizer:
+    def add(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class Engine:
+    """Continuous batching over one target model, its drafters and a memory budget."""
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        tokenizer=None,
+        draft_model: Model | None = None,
+        extra_drafters: Sequence[Drafter] = (),
+        budget_bytes: int = 256 << 20,
+        max_running: int = 16,
+        max_model_len: int = 2048,
+        token_budget: int = 512,
+        chunk_size: int = 128,
+        page_size: int = 16,
+        n_max: int = 16,
+        policy_params: PolicyParams | None = None,
+    ):
+        cfg = model.cfg
+        sizes = pool_sizes(
+            budget_bytes,
+            page_bytes=kv_bytes_per_page(cfg, page_size),
+            plane_bytes=bytes_per_plane(cfg),
+            page_size=page_size,
+            max_running=max_running,
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runner = Runner(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size)
+        self.memory = MemoryManager(sizes)
+        detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
+        self.scheduler = Scheduler(
+            self.memory, detokenizer, max_model_len=max_model_len, token_budget=token_budget,
+            max_running=max_running, chunk_size=chunk_size,
+        )  # fmt: skip
+        self.stop_token_ids = frozenset(tokenizer.eog_ids) if tokenizer is not None else frozenset()
+        self.policy = DrafterPolicy(policy_params or PolicyParams())
+        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        if model.has_mtp:
+            self.drafters["mtp"] = MtpDrafter(self.runner, self._pages_of)
+        if draft_model is not None:
+            self.drafters["draft_model"] = DraftModelDrafter(
+                draft_model, max_seqs=max_running, max_context=max_model_len, n_max=n_max, page_size=page_size
+            )
+        for drafter in extra_drafters:
+            self.drafters[drafter.name] = drafter
+        self.n_max = n_max
+        self._ids = itertools.count()
+        self._outputs: dict[int, MemoryObjectSendStream] = {}
+        self._inbox_send, self._inbox = anyio.create_memory_object_stream(math.inf)
+        self.steps = 0
+
+    # ------------------------------------------------------------------------------------------------ the step
+
+    def _pages_of(self, seq_id) -> Sequence[int]:
+        return self._plan_pages[seq_id]
+
+    def step(self) -> list[Event]:
+        """One scheduler step, synchronously: schedule, draft, run, verify, commit. Returns the events."""
+        plan = self.scheduler.schedule()
+        if not plan.rows:
+            return []
+        self._plan_pages = {row.seq_id: row.pages for row in plan.rows}
+        start = time.perf_counter()
+        for row in plan.rows:
+            if row.params.timing.scheduled is None:
+                row.params.timing.scheduled = start
+        plan = self._attach_drafts(plan)
+        start = time.perf_counter()
+        results = self.runner.step(
+            [VerifyRow(row, row.drafts, None, row.params.sampling) for row in plan.rows]
+        )
+        self.policy.record_target(time.perf_counter() - start, plan.n_tokens)
+        committed = {}
+        mtp = self.drafters.get("mtp")
+        for row, result in zip(plan.rows, results):
+            kept = len(row.fed) + result.n_accepted if row.needs_logits else len(row.fed)
+            if mtp is not None and _wants(row.params, "mtp"):
+                mtp.record(row.seq_id, row.start, result.hidden[:kept])
+            if not row.needs_logits:
+                continue
+            committed[row.seq_id] = Committed(tuple(result.committed), result.n_accepted)
+            if row.drafter is not None:
+                self.drafters[row.drafter].observe(row.seq_id, result.n_accepted, result.committed)
+                self.policy.observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted)
+        events = self.scheduler.update(plan, committed)
+        for event in events:
+            if isinstance(event, DoneEvent):
+                self._release(event.seq_id)
+        self.steps += 1
+        return events
+
+    def _attach_drafts(self, plan: StepPlan) -> StepPlan:
+        """Per sequence, the policy's drafters in order; each round batches the sequences still without a draft
+        by drafter, so every drafter proposes once per round for all the sequences that chose it."""
+        options = {}
+        for row in plan.rows:
+            config = row.params.speculative
+            if row.draft_max > 0 and config is not None:
+                choices = [c for c in self.policy.plan(row.seq_id, config, len(plan.rows)) if c.drafter in self.drafters]
+                if choices:
+                    options[row.seq_id] = (row, config, choices)
+        drafts, names = {}, {}
+        for round_ in itertools.count():
+            by_drafter: dict[str, list] = {}
+            for seq_id, (row, config, choices) in options.items():
+                if seq_id not in drafts and round_ < len(choices):
+                    by_drafter.setdefault(choices[round_].drafter, []).append((row, config, choices[round_]))
+            if not by_drafter:
+                break
+            for name, entries in by_drafter.items():
+                requests = [
+                    DraftRequest(row.seq_id, self.scheduler.tokens(row.seq_id), min(choice.n_draft, row.draft_max),
+                                 config.p_min)
+                    for row, config, choice in entries
+                ]  # fmt: skip
+                start = time.perf_counter()
+                proposals = self.drafters[name].propose(requests)
+                share = (time.perf_counter() - start) / len(requests)
+                for (row, config, _), proposal in zip(entries, proposals):
+                    self.policy.record_proposal(name, share, len(proposal.tokens))
+                    if len(proposal.tokens) >= max(config.n_min, 1):
+                        drafts[row.seq_id] = proposal.tokens[: row.draft_max]
+                        names[row.seq_id] = name
+        return plan.with_drafts(drafts, names)
+
+    def _release(self, seq_id) -> None:
+        for drafter in self.drafters.values():
+            drafter.release(seq_id)
+        self.policy.release(seq_id)
+
+    # ------------------------------------------------------------------------------------------------ async edge
+
+    @asynccontextmanager
+    async def running(self):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._loop)
+            try:
+                yield self
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def __aenter__(self) -> Engine:
+        self._context = self.running()
+        return await self._context.__aenter__()
+
+    async def __aexit__(self, *exc) -> None:
+        await self._context.__aexit__(*exc)
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.scheduler.has_work:
+                self._apply(await self._inbox.receive())  # sleep until a request arrives
+            while True:
+                try:
+                    self._apply(self._inbox.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            if not self.scheduler.has_work:
+                continue
+            events = await anyio.to_thread.run_sync(self.step)
+            for event in events:
+                stream = self._outputs.get(event.seq_id)
+                if stream is not None:
+                    stream.send_nowait(event)
+                    if isinstance(event, DoneEvent):
+                        del self._outputs[event.seq_id]
+                        stream.close()
+
+    def _apply(self, message) -> None:
+        kind, payload = message
+        if kind == "add":
+            self.scheduler.add(payload)
+        else:
+            for event in self.scheduler.abort(payload):
+                stream = self._outputs.pop(event.seq_id, None)
+                if stream is not None:
+                    stream.send_nowait(event)
+                    stream.close()
+            self._release(payload)
+
+    async def generate(
+        self, request: GenerationRequest, timing: RequestTiming | None = None
+    ) -> AsyncIterator[TokensEvent | DoneEvent]:
+        """Stream a request's events; leaving the loop early (or being cancelled) aborts the request.
+        timing, if given, receives the request's instants."""
+        timing = timing or RequestTiming()
+        timing.arrived = time.perf_counter()
+        seq_id = next(self._ids)
+        speculative = request.speculative
+        n_max = min(speculative.n_max, self.n_max) if speculative else 0
+        core_request = Request(
+            seq_id=seq_id,
+            prompt=tuple(request.prompt_ids),
+            max_tokens=request.max_tokens,
+            stop_token_ids=self.stop_token_ids,
+            stop_strings=request.stop,
+            rollback=request.rollback,
+            n_max=n_max,
+            params=_Params(request.sampling, speculative, timing),
+        )
+        send, receive = anyio.create_memory_object_stream(math.inf)
+        self._outputs[seq_id] = send
+        self._inbox_send.send_nowait(("add", core_request))
+        finished = False
+        try:
+            async with receive:
+                async for event in receive:
+                    if isinstance(event, TokensEvent) and timing.first_token is None:
+                        timing.first_token = time.perf_counter()
+                    if isinstance(event, DoneEvent):
+                        finished = True
+                        timing.finished = time.perf_counter()
+                    yield event
+        finally:
+            if not finished:
+                self._outputs.pop(seq_id, None)
+                self._inbox_send.send_nowait(("abort", seq_id))
+
+
+def _wants(params: _Params, drafter: str) -> bool:
+    return params.speculative is not None and drafter in params.speculative.drafters
