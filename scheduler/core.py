@@ -1,0 +1,406 @@
+"""The synchronous scheduler core: which tokens of which sequences each model step computes. No I/O.
+
+Use, one step at a time:
+
+    plan = sched.schedule()                         # rows, each with its draft_max and rollback mode
+    plan = plan.with_drafts({seq_id: tokens})       # drafts made in between (optional, possibly empty)
+    ...run the model on plan.rows and verify...
+    events = sched.update(plan, {seq_id: Committed(tokens, n_accepted)})   # rows with logit_rows only
+
+There is no prefill or decode phase. A sequence is its committed tokens (prompt + output, append-only) of which
+the first `n_computed` are in its KV pages and its live GDN plane; a step feeds a prefix of the rest (a prompt
+chunk) or all of it (replayed tokens, then `last`, the newest token) followed by drafts. Rollback (see
+`scheduler.memory` for the choice of mode):
+- snapshot: the state after `last` and after each draft goes to its own plane; after a accepted drafts the plane
+  holding the state after drafts[a-1] (or `last`) becomes live and everything up to it counts as computed;
+- checkpoint: only the final state is written, to the spare plane; it becomes live if every draft was accepted,
+  otherwise the read plane stays live and all tokens fed since it are replayed in the next step.
+The attention KV needs no rollback: n_computed is set back and later writes overwrite.
+
+Per step, in order:
+1. Running sequences, least recently served first (rows that only feed `last` before longer ones, then by
+   admission), each feed min(tokens to compute, chunk_size, remaining token budget). A sequence whose row needs a
+   KV page when none is free preempts the youngest running sequence (itself when it is the youngest): its pages
+   and planes go back and it waits at the head of the queue to recompute its tokens (nothing is lost or emitted
+   twice). The oldest sequence is never preempted, so every step makes progress.
+2. Drafts: rows that reach `last` with at most n_max replayed tokens before it may carry drafts; the memory manager
+   decides their length and mode from the remaining budget, pages and planes (keeping two planes free per request
+   that could be admitted next).
+3. Admission, first come first served, while running < max_running, budget remains, two planes are free and the
+   first chunk's pages leave one free page per running sequence (room to grow before anyone is preempted).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .memory import DraftCandidate, MemoryManager, pages_for
+from .stops import scan_stop_strings
+from .types import (Committed, Detokenizer, DoneEvent, DraftStats, Event, FinishReason, Mode, Request, Row,
+                    SeqId, StepPlan, TokensEvent)
+
+PLANES_PER_SEQUENCE = 2
+ACCEPTANCE_DECAY = 0.8  # weight of the past in a sequence's acceptance estimate
+
+
+@dataclass
+class _Sequence:
+    """Mutable bookkeeping of one request, private to the scheduler."""
+
+    request: Request
+    detokenizer: Detokenizer
+    arrival: int
+    tokens: list[int] = field(default_factory=list)  # committed: prompt + output
+    n_computed: int = 0  # tokens whose KV and GDN state are in pages / the live plane
+    live_plane: int = 0  # 0 = the null plane (nothing computed)
+    planes: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    admitted: int = -1  # admission order, -1 while waiting
+    last_served: int = -1  # step of the last row
+    n_generated: int = 0
+    held_text: str = ""
+    abort_requested: bool = False
+    preemptions: int = 0
+    accepted_ewma: float = 0.0  # decayed counts of accepted drafts and of rejections (geometric model)
+    rejected_ewma: float = 0.0
+    draft_stats: dict[str, list[int]] = field(default_factory=dict)
+    rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0})
+
+    @property
+    def to_compute(self) -> int:
+        return len(self.tokens) - self.n_computed
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance estimate, with one pseudo-count each way."""
+        return (self.accepted_ewma + 1.0) / (self.accepted_ewma + self.rejected_ewma + 2.0)
+
+
+@dataclass
+class _RowSpec:
+    seq: _Sequence
+    n_feed: int
+    draft_max: int = 0
+    mode: Mode | None = None
+
+
+class Scheduler:
+    """Sans-I/O scheduler over a `MemoryManager`. One plan in flight at a time.
+
+    detokenizer: makes one incremental detokenizer per request (for stop strings and text deltas).
+    max_model_len: positions per sequence; prompt + output never exceed it (finish reason "length").
+    token_budget: tokens fed per step, drafts included (an attribute the engine may change between steps).
+    max_running: sequences holding memory at once.
+    chunk_size: the most tokens one row feeds before its drafts (prompt chunks, replays); default token_budget.
+    """
+
+    def __init__(self, memory: MemoryManager, detokenizer: Callable[[], Detokenizer], *, max_model_len: int,
+                 token_budget: int, max_running: int, chunk_size: int | None = None):
+        if token_budget < 1 or max_running < 1 or max_model_len < 2:
+            raise ValueError("token_budget and max_running must be >= 1, max_model_len >= 2")
+        if pages_for(max_model_len, memory.page_size) > memory.usable_pages:
+            raise ValueError(f"{memory.usable_pages} pages of {memory.page_size} cannot hold one sequence of "
+                             f"{max_model_len} positions")
+        if memory.usable_planes < PLANES_PER_SEQUENCE:
+            raise ValueError(f"{memory.usable_planes} planes; a sequence needs {PLANES_PER_SEQUENCE}")
+        self.memory = memory
+        self.max_model_len = max_model_len
+        self.token_budget = token_budget
+        self.max_running = max_running
+        self.chunk_size = chunk_size or token_budget
+        self._detokenizer = detokenizer
+        self._seqs: dict[SeqId, _Sequence] = {}
+        self._waiting: deque[_Sequence] = deque()
+        self._running: list[_Sequence] = []
+        self._n_arrived = 0
+        self._n_admitted = 0
+        self._step = 0
+        self._in_flight: StepPlan | None = None
+
+    # ---- queries -------------------------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._waiting or self._running)
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests queued (never admitted or preempted)."""
+        return len(self._waiting)
+
+    @property
+    def n_running(self) -> int:
+        """Requests holding memory."""
+        return len(self._running)
+
+    @property
+    def in_flight(self) -> StepPlan | None:
+        """The plan scheduled and not yet updated or failed."""
+        return self._in_flight
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._seqs
+
+    def tokens(self, seq_id: SeqId) -> Sequence[int]:
+        """The committed tokens of a live sequence (prompt + output), by reference: read only; they only grow."""
+        return self._seqs[seq_id].tokens
+
+    def request(self, seq_id: SeqId) -> Request:
+        """The request of a live sequence."""
+        return self._seqs[seq_id].request
+
+    # ---- requests in ---------------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request. ValueError for a live duplicate id or a prompt that leaves no room to generate."""
+        if request.seq_id in self._seqs:
+            raise ValueError(f"sequence {request.seq_id!r} is already live")
+        if len(request.prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(request.prompt)} tokens leaves no room in {self.max_model_len} "
+                             "positions")
+        seq = _Sequence(request=request, detokenizer=self._detokenizer(), arrival=self._n_arrived,
+                        tokens=list(request.prompt))
+        self._n_arrived += 1
+        self._seqs[request.seq_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, seq_id: SeqId) -> list[Event]:
+        """Cancel a sequence: done(cancelled) now, or from `update` when it is in the plan in flight.
+
+        Unknown or finished ids give no event, so each sequence ends exactly once.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.abort_requested:
+            return []
+        if self._in_flight is not None and any(r.seq_id == seq_id for r in self._in_flight.rows):
+            seq.abort_requested = True
+            return []
+        return [self._finish(seq, "cancelled")]
+
+    # ---- one step ------------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """The next step's plan. Its rows must be committed with `update` (or dropped with `fail`) before the next.
+
+        A plan without rows needs neither.
+        """
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step} is still in flight")
+        self._step += 1
+        budget = self.token_budget
+        specs: list[_RowSpec] = []
+
+        order = sorted(self._running, key=lambda s: (s.last_served, s.to_compute > 1, s.admitted))
+        for seq in order:
+            if seq not in self._running or budget == 0:
+                continue
+            n_feed = min(seq.to_compute, self.chunk_size, budget)
+            need = pages_for(seq.n_computed + n_feed, self.memory.page_size) - len(seq.pages)
+            while need > self.memory.free_pages and seq in self._running:
+                victim = max(self._running, key=lambda s: s.admitted)
+                for spec in [s for s in specs if s.seq is victim]:
+                    specs.remove(spec)
+                    budget += spec.n_feed
+                self._preempt(victim)
+            if seq not in self._running:
+                continue
+            seq.pages += self.memory.take_pages(max(0, need))
+            specs.append(_RowSpec(seq, n_feed))
+            budget -= n_feed
+
+        budget = self._grant_drafts(specs, budget)
+
+        while self._waiting and len(self._running) < self.max_running and budget > 0:
+            seq = self._waiting[0]
+            n_feed = min(seq.to_compute, self.chunk_size, budget)
+            need = pages_for(n_feed, self.memory.page_size)
+            if (self.memory.free_planes < PLANES_PER_SEQUENCE
+                    or self.memory.free_pages < need + len(self._running)):
+                break
+            self._waiting.popleft()
+            seq.planes = self.memory.take_planes(PLANES_PER_SEQUENCE)
+            seq.pages = self.memory.take_pages(need)
+            seq.admitted = self._n_admitted
+            self._n_admitted += 1
+            self._running.append(seq)
+            specs.append(_RowSpec(seq, n_feed))
+            budget -= n_feed
+
+        for spec in specs:
+            spec.seq.last_served = self._step
+        plan = StepPlan(self._step, tuple(self._row(spec) for spec in specs))
+        self._in_flight = plan if plan.rows else None
+        return plan
+
+    def update(self, plan: StepPlan, committed: Mapping[SeqId, Committed]) -> list[Event]:
+        """Commit a step: `committed` holds, for every row with logit_rows, the verified tokens.
+
+        Returns the events of this step, in row order: tokens, then done for sequences that finished.
+        """
+        self._check_in_flight(plan)
+        for row in plan.rows:
+            if row.needs_logits and not self._seqs[row.seq_id].abort_requested:
+                result = committed.get(row.seq_id)
+                if result is None:
+                    raise ValueError(f"no committed tokens for sequence {row.seq_id!r} in step {plan.step}")
+                if result.n_accepted > len(row.drafts):
+                    raise ValueError(f"sequence {row.seq_id!r}: {result.n_accepted} accepted of "
+                                     f"{len(row.drafts)} drafts")
+        events: list[Event] = []
+        for row in plan.rows:
+            seq = self._seqs[row.seq_id]
+            if seq.abort_requested:
+                events.append(self._finish(seq, "cancelled"))
+            elif not row.needs_logits:
+                seq.n_computed += len(row.fed)
+                seq.live_plane = row.write_planes[-1]
+                self._trim_planes(seq)
+            else:
+                result = committed[row.seq_id]
+                self._roll(seq, row, result.n_accepted)
+                events += self._commit(seq, result, row)
+        self._in_flight = None
+        return events
+
+    def fail(self, plan: StepPlan) -> list[Event]:
+        """The step could not run: every sequence in it ends with done(error) (cancelled if it was aborted)."""
+        self._check_in_flight(plan)
+        self._in_flight = None
+        return [self._finish(self._seqs[r.seq_id], "cancelled" if self._seqs[r.seq_id].abort_requested else "error")
+                for r in plan.rows]
+
+    # ---- internals -----------------------------------------------------------------------------------------
+
+    def _check_in_flight(self, plan: StepPlan) -> None:
+        if self._in_flight is None or plan.step != self._in_flight.step:
+            raise RuntimeError(f"step {plan.step} is not the step in flight")
+        if [r.seq_id for r in plan.rows] != [r.seq_id for r in self._in_flight.rows]:
+            raise RuntimeError(f"step {plan.step}: rows differ from the scheduled plan")
+
+    def _grant_drafts(self, specs: list[_RowSpec], budget: int) -> int:
+        """Give rows that reach `last` their draft length and mode; returns the budget left."""
+        candidates = []
+        for spec in specs:
+            seq, req = spec.seq, spec.seq.request
+            reaches_last = spec.n_feed == seq.to_compute
+            pending = spec.n_feed - 1
+            want = min(req.n_max,
+                       req.max_tokens - seq.n_generated - 1,
+                       self.max_model_len - len(seq.tokens) - 1)
+            if not reaches_last or pending > req.n_max or want <= 0:
+                continue
+            spare = len(seq.planes) - (seq.live_plane != 0)
+            candidates.append(DraftCandidate(seq.request.seq_id, want, req.rollback,
+                                             kv_end=seq.n_computed + spec.n_feed, pages_owned=len(seq.pages),
+                                             spare_planes=spare, n_pending=pending, alpha=seq.alpha))
+        if not candidates:
+            return budget
+        reserve = PLANES_PER_SEQUENCE * min(len(self._waiting), self.max_running - len(self._running))
+        by_id = {spec.seq.request.seq_id: spec for spec in specs}
+        for decision in self.memory.decide_drafts(candidates, budget, reserve_planes=reserve):
+            spec = by_id[decision.seq_id]
+            spec.seq.pages += self.memory.take_pages(decision.new_pages)
+            spec.seq.planes += self.memory.take_planes(decision.new_planes)
+            spec.draft_max, spec.mode = decision.n_drafts, decision.mode
+            budget -= decision.n_drafts
+        return budget
+
+    def _row(self, spec: _RowSpec) -> Row:
+        seq = spec.seq
+        spare = [p for p in seq.planes if p != seq.live_plane]
+        n_write = spec.draft_max + 1 if spec.mode == "snapshot" else 1
+        return Row(seq_id=seq.request.seq_id, fed=tuple(seq.tokens[seq.n_computed:seq.n_computed + spec.n_feed]),
+                   start=seq.n_computed, read_plane=seq.live_plane, pages=tuple(seq.pages),
+                   needs_logits=spec.n_feed == seq.to_compute, draft_max=spec.draft_max, mode=spec.mode,
+                   write_pool=tuple(spare[:n_write]), params=seq.request.params)
+
+    def _roll(self, seq: _Sequence, row: Row, n_accepted: int) -> None:
+        """Move the live plane and n_computed after verification (tokens are appended by `_commit`)."""
+        n_drafts = len(row.drafts)
+        writes = row.write_planes
+        if row.mode == "snapshot":
+            seq.live_plane = writes[len(row.fed) - 1 + n_accepted]
+            seq.n_computed = row.start + len(row.fed) + n_accepted
+        elif n_accepted == n_drafts:
+            seq.live_plane = writes[-1]
+            seq.n_computed = row.start + len(row.fed) + n_drafts
+        self._trim_planes(seq)
+        if n_drafts:
+            stats = seq.draft_stats.setdefault(row.drafter, [0, 0])
+            stats[0] += n_drafts
+            stats[1] += n_accepted
+            seq.rollback_steps[row.mode] += 1
+            seq.accepted_ewma = ACCEPTANCE_DECAY * seq.accepted_ewma + n_accepted
+            seq.rejected_ewma = ACCEPTANCE_DECAY * seq.rejected_ewma + (n_accepted < n_drafts)
+
+    def _commit(self, seq: _Sequence, result: Committed, row: Row) -> list[Event]:
+        """Append committed tokens up to a stop; emit their ids and the text that is safe to show."""
+        req = seq.request
+        ids: list[int] = []
+        text = ""
+        reason: FinishReason | None = None
+        cut_by_stop_string = False
+        for token in result.tokens:
+            seq.n_generated += 1
+            seq.tokens.append(token)
+            if token in req.stop_token_ids:
+                reason = "stop"
+                break
+            ids.append(token)
+            scan = scan_stop_strings(seq.held_text + seq.detokenizer.add(token), req.stop_strings)
+            text += scan.emit
+            seq.held_text = scan.held
+            if scan.stopped:
+                reason, cut_by_stop_string = "stop", True
+                break
+            if seq.n_generated == req.max_tokens or len(seq.tokens) == self.max_model_len:
+                reason = "length"
+                break
+        if reason is not None and not cut_by_stop_string:
+            # The end of the output: held-back text is no stop string after all, unless the flush completes one.
+            scan = scan_stop_strings(seq.held_text + seq.detokenizer.flush(), req.stop_strings)
+            text += scan.emit if scan.stopped else scan.emit + scan.held
+            reason = "stop" if scan.stopped else reason
+        events: list[Event] = []
+        if ids or text:
+            events.append(TokensEvent(req.seq_id, tuple(ids), text, min(result.n_accepted, len(ids))))
+        if reason is not None:
+            events.append(self._finish(seq, reason))
+        return events
+
+    def _trim_planes(self, seq: _Sequence) -> None:
+        """Keep the live plane and one spare (two spares before anything is computed); return the rest."""
+        keep = [seq.live_plane] if seq.live_plane else []
+        others = [p for p in seq.planes if p != seq.live_plane]
+        n_spare = PLANES_PER_SEQUENCE - len(keep)
+        self.memory.give_planes(others[n_spare:])
+        seq.planes = keep + others[:n_spare]
+
+    def _release(self, seq: _Sequence) -> None:
+        self.memory.give_pages(seq.pages)
+        self.memory.give_planes(seq.planes)
+        seq.pages, seq.planes = [], []
+        seq.n_computed, seq.live_plane = 0, 0
+
+    def _preempt(self, seq: _Sequence) -> None:
+        self._release(seq)
+        self._running.remove(seq)
+        seq.admitted = -1
+        seq.preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _finish(self, seq: _Sequence, reason: FinishReason) -> DoneEvent:
+        self._release(seq)
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        del self._seqs[seq.request.seq_id]
+        return DoneEvent(
+            seq_id=seq.request.seq_id, finish_reason=reason, prompt_tokens=len(seq.request.prompt),
+            completion_tokens=seq.n_generated,
+            drafters={name: DraftStats(d, a) for name, (d, a) in seq.draft_stats.items()},
+            rollback_steps=dict(seq.rollback_steps), preemptions=seq.preemptions)

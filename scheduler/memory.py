@@ -1,0 +1,228 @@
+"""The memory budget: free lists of KV pages and GDN planes, and the per-step rollback/draft decision.
+
+Pools. Page 0 (trash) and plane 0 (null) are never handed out, so a pool of n_pages pages has n_pages - 1
+allocatable ones, likewise planes. Every running sequence holds two planes for its whole life (the live plane and
+a spare to write into), and KV pages for the positions it has fed. A snapshot step borrows extra planes that the
+scheduler returns when the step is committed.
+
+The rule (`decide_drafts`), per step, over the sequences whose row may carry drafts, in scheduling priority order:
+
+1. Draft length. Each sequence gets d = min(what it asks, the step's remaining token budget, what fits in its
+   pages plus the free pages); budget and pages are consumed in priority order.
+2. Mode. Checkpoint needs no plane beyond the two a sequence holds. Snapshot needs d + 1 planes to write besides
+   the one it reads, i.e. `d + 1 - spare` extra planes.
+   - rollback="checkpoint": checkpoint.
+   - rollback="snapshot": snapshot; when the free planes do not cover d, the draft is shortened until they do
+     (d = 0 always fits). These go first: they were promised.
+   - rollback="auto": snapshot for the sequences where it saves the most replayed tokens per extra plane, while
+     planes remain, checkpoint for the rest. With per-token acceptance alpha (a sequence's running estimate), a
+     draft of d tokens and p replayed tokens before `last`, checkpoint replays p + 1 + k tokens next step when k < d
+     drafts are accepted, and nothing when all are; snapshot replays nothing. The expected saving is
+     sum_{k<d} alpha^k (1 - alpha) (p + 1 + k) (`expected_replay`). It favours sequences whose drafts are often
+     accepted far but not all the way (a draft that is always fully accepted costs nothing under checkpoint).
+   `reserve_planes` is kept free for the admission of waiting requests, so borrowed planes never keep a new
+   request queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .types import Mode, Preference, SeqId
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """Pool sizes, the trash page and the null plane included."""
+
+    n_pages: int
+    n_planes: int
+    page_size: int  # tokens per KV page
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.n_pages < 2 or self.n_planes < 3:
+            raise ValueError(f"pools too small: {self} (need page_size >= 1, n_pages >= 2, n_planes >= 3)")
+
+
+def pool_sizes(total_bytes: int, *, page_bytes: int, plane_bytes: int, page_size: int, max_running: int,
+               planes_per_seq: int = 2) -> PoolSizes:
+    """Spend `total_bytes` on 1 + max_running * planes_per_seq planes and the rest on KV pages.
+
+    page_bytes / plane_bytes: bytes of one KV page (all attention layers, K and V) and one GDN plane (all GDN
+    layers, conv and recurrent state); `jaxmodel.state` computes both from a model config. planes_per_seq = 2 lets
+    every sequence run in checkpoint mode; 2 + n_max lets every sequence snapshot a full draft at once.
+    """
+    if planes_per_seq < 2:
+        raise ValueError(f"planes_per_seq must be >= 2, got {planes_per_seq}")
+    n_planes = 1 + max_running * planes_per_seq
+    n_pages = (total_bytes - n_planes * plane_bytes) // page_bytes
+    if n_pages < 2:
+        raise ValueError(f"{total_bytes} bytes do not hold {n_planes} planes of {plane_bytes} bytes and 2 pages "
+                         f"of {page_bytes} bytes")
+    return PoolSizes(n_pages=int(n_pages), n_planes=n_planes, page_size=page_size)
+
+
+def pages_for(n_positions: int, page_size: int) -> int:
+    """KV pages covering positions [0, n_positions)."""
+    return -(-n_positions // page_size)
+
+
+def expected_replay(alpha: float, n_drafts: int, n_pending: int) -> float:
+    """Expected tokens a checkpoint step replays next step (and a snapshot step does not).
+
+    alpha: per-token acceptance probability; k drafts are accepted with probability alpha^k (1 - alpha) for k < d.
+    """
+    return sum(alpha**k * (1.0 - alpha) * (n_pending + 1 + k) for k in range(n_drafts))
+
+
+@dataclass(frozen=True)
+class DraftCandidate:
+    """A row that may carry drafts this step."""
+
+    seq_id: SeqId
+    want: int  # the longest draft the sequence can use (n_max, capped by max_tokens and the context length)
+    preference: Preference
+    kv_end: int  # positions covered by the row without drafts (start + fed tokens)
+    pages_owned: int
+    spare_planes: int  # planes the sequence holds besides the one the row reads
+    n_pending: int  # replayed tokens before `last` in the row
+    alpha: float  # the sequence's per-token acceptance estimate
+
+
+@dataclass(frozen=True)
+class DraftDecision:
+    """mode is None when no draft fits (n_drafts = 0)."""
+
+    seq_id: SeqId
+    mode: Mode | None
+    n_drafts: int
+    new_pages: int
+    new_planes: int
+
+
+def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, free_pages: int, free_planes: int,
+                  page_size: int) -> tuple[DraftDecision, ...]:
+    """The rule in the module docstring; candidates in priority order, decisions in the same order."""
+
+    def new_pages(c: DraftCandidate, d: int) -> int:
+        return max(0, pages_for(c.kv_end + d, page_size) - c.pages_owned)
+
+    def extra_planes(c: DraftCandidate, d: int) -> int:
+        return max(0, d + 1 - c.spare_planes)
+
+    lengths: dict[int, int] = {}
+    for i, c in enumerate(candidates):
+        room = (c.pages_owned + free_pages) * page_size - c.kv_end
+        d = max(0, min(c.want, token_budget, room))
+        lengths[i] = d
+        token_budget -= d
+        free_pages -= new_pages(c, d)
+
+    modes: dict[int, Mode | None] = {i: None for i in lengths}
+    for i, c in enumerate(candidates):
+        if c.preference == "snapshot" and lengths[i] > 0:
+            d = min(lengths[i], max(0, c.spare_planes + free_planes - 1))
+            free_pages += new_pages(c, lengths[i]) - new_pages(c, d)
+            lengths[i] = d
+            if d > 0:
+                modes[i] = "snapshot"
+                free_planes -= extra_planes(c, d)
+        elif c.preference == "checkpoint" and lengths[i] > 0:
+            modes[i] = "checkpoint"
+
+    def saving_per_plane(i: int) -> float:
+        c, d = candidates[i], lengths[i]
+        extra = extra_planes(c, d)
+        return float("inf") if extra == 0 else expected_replay(c.alpha, d, c.n_pending) / extra
+
+    auto = [i for i, c in enumerate(candidates) if c.preference == "auto" and lengths[i] > 0]
+    for i in sorted(auto, key=lambda i: (-saving_per_plane(i), i)):
+        extra = extra_planes(candidates[i], lengths[i])
+        if extra <= free_planes:
+            modes[i] = "snapshot"
+            free_planes -= extra
+        else:
+            modes[i] = "checkpoint"
+
+    out = []
+    for i, c in enumerate(candidates):
+        d = lengths[i] if modes[i] else 0
+        extra = extra_planes(c, d) if modes[i] == "snapshot" else 0
+        out.append(DraftDecision(c.seq_id, modes[i], d, new_pages(c, d), extra))
+    return tuple(out)
+
+
+class MemoryManager:
+    """Owns the free lists of pages and planes; grants and takes them back, refusing double frees."""
+
+    def __init__(self, sizes: PoolSizes):
+        self.sizes = sizes
+        # Lowest ids are handed out first (pop from the end), which keeps traces readable.
+        self._free_pages = list(range(sizes.n_pages - 1, 0, -1))
+        self._free_planes = list(range(sizes.n_planes - 1, 0, -1))
+        self._pages_out: set[int] = set()
+        self._planes_out: set[int] = set()
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per KV page."""
+        return self.sizes.page_size
+
+    @property
+    def free_pages(self) -> int:
+        """Pages not held by any sequence."""
+        return len(self._free_pages)
+
+    @property
+    def free_planes(self) -> int:
+        """Planes not held by any sequence."""
+        return len(self._free_planes)
+
+    @property
+    def usable_pages(self) -> int:
+        """All allocatable pages (the trash page excluded)."""
+        return self.sizes.n_pages - 1
+
+    @property
+    def usable_planes(self) -> int:
+        """All allocatable planes (the null plane excluded)."""
+        return self.sizes.n_planes - 1
+
+    def take_pages(self, n: int) -> list[int]:
+        """n free pages; ValueError when fewer are free."""
+        return self._take(self._free_pages, self._pages_out, n, "pages")
+
+    def take_planes(self, n: int) -> list[int]:
+        """n free planes; ValueError when fewer are free."""
+        return self._take(self._free_planes, self._planes_out, n, "planes")
+
+    def give_pages(self, pages: Iterable[int]) -> None:
+        """Return pages to the pool."""
+        self._give(self._free_pages, self._pages_out, pages, "page")
+
+    def give_planes(self, planes: Iterable[int]) -> None:
+        """Return planes to the pool."""
+        self._give(self._free_planes, self._planes_out, planes, "plane")
+
+    def decide_drafts(self, candidates: Sequence[DraftCandidate], token_budget: int,
+                      reserve_planes: int = 0) -> tuple[DraftDecision, ...]:
+        """`decide_drafts` over the current free counts, keeping `reserve_planes` planes out of reach."""
+        return decide_drafts(candidates, token_budget=token_budget, free_pages=self.free_pages,
+                             free_planes=max(0, self.free_planes - reserve_planes), page_size=self.page_size)
+
+    @staticmethod
+    def _take(free: list[int], out: set[int], n: int, what: str) -> list[int]:
+        if n > len(free):
+            raise ValueError(f"{n} {what} wanted, {len(free)} free")
+        taken = [free.pop() for _ in range(n)]
+        out.update(taken)
+        return taken
+
+    @staticmethod
+    def _give(free: list[int], out: set[int], items: Iterable[int], what: str) -> None:
+        for x in items:
+            if x not in out:
+                raise ValueError(f"{what} {x} returned but not handed out")
+            out.remove(x)
+            free.append(x)

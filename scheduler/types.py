@@ -1,0 +1,225 @@
+"""The scheduler's vocabulary: requests in, step plans out, committed tokens back, events out.
+
+Everything here is a frozen dataclass or a Protocol; the mutable bookkeeping lives in `scheduler.core`.
+
+A plan row uses the attribute names of `jaxmodel.state.Row` (tokens, start, pages, read_plane, write_planes,
+logit_rows), so the runner can pack plan rows into a device batch directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+SeqId = Hashable
+Preference = Literal["auto", "snapshot", "checkpoint"]
+Mode = Literal["snapshot", "checkpoint"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+PREFERENCES: tuple[Preference, ...] = ("auto", "snapshot", "checkpoint")
+UNNAMED_DRAFTER = "unnamed"
+
+
+class Detokenizer(Protocol):
+    """Incremental detokenizer of one sequence's output (the real one wraps `tokenizers`)."""
+
+    def add(self, token_id: int) -> str:
+        """Feed one token; return the newly complete text (never half a UTF-8 character)."""
+        ...
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever text is still held back (incomplete bytes rendered as-is)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request as the core sees it.
+
+    prompt: token ids, at least one.
+    stop_token_ids: end-of-generation ids (EOS and the like); such a token ends the sequence and is not emitted.
+    stop_strings: the output text is cut before the first occurrence of any of them.
+    rollback: which rollback mode the memory manager may use ("auto" lets it choose per step).
+    n_max: the longest draft this request may verify per step (0 = plain decoding).
+    params: sampling parameters and drafter policy, passed through untouched to plan rows.
+    """
+
+    seq_id: SeqId
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strings: tuple[str, ...] = ()
+    rollback: Preference = "auto"
+    n_max: int = 0
+    params: Any = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        if not self.prompt:
+            raise ValueError(f"request {self.seq_id!r}: empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.seq_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n_max < 0:
+            raise ValueError(f"request {self.seq_id!r}: n_max must be >= 0, got {self.n_max}")
+        if self.rollback not in PREFERENCES:
+            raise ValueError(f"request {self.seq_id!r}: rollback must be one of {PREFERENCES}, got {self.rollback!r}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError(f"request {self.seq_id!r}: empty stop string")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's share of a step.
+
+    The fed tokens are `tokens = fed + drafts` at positions start, start+1, ...; `fed` are committed tokens not yet
+    computed (a prompt chunk, or replayed tokens followed by `last`, the newest committed token).
+    read_plane: the GDN plane the row starts from (0 = the null plane of a fresh sequence).
+    write_planes: per token, the plane that receives the state after it, or -1.
+    pages: the sequence's KV pages in position order, covering every position this row may feed.
+    logit_rows: token indices whose logits are wanted: from `last` to the end when the row reaches the newest
+        committed token, none for an intermediate chunk.
+    draft_max: the most drafts `StepPlan.with_drafts` accepts for this row (0: none).
+    mode: the rollback mode of this step when it may carry drafts, else None.
+    write_pool: planes the sequence may write this step (snapshot: draft_max + 1 of them; otherwise one).
+    """
+
+    seq_id: SeqId
+    fed: tuple[int, ...]
+    start: int
+    read_plane: int
+    pages: tuple[int, ...]
+    needs_logits: bool
+    draft_max: int
+    mode: Mode | None
+    write_pool: tuple[int, ...]
+    params: Any = None
+    drafts: tuple[int, ...] = ()
+    drafter: str | None = None
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """[n] the tokens fed: fed + drafts."""
+        return self.fed + self.drafts
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """[n] consecutive positions of `tokens`."""
+        return tuple(range(self.start, self.start + len(self.fed) + len(self.drafts)))
+
+    @property
+    def n_pending(self) -> int:
+        """Replayed tokens before `last` (the whole chunk for an intermediate chunk)."""
+        return len(self.fed) - 1 if self.needs_logits else len(self.fed)
+
+    @property
+    def write_planes(self) -> tuple[int, ...]:
+        """[n] the plane receiving the state after each token, -1 for none.
+
+        Snapshot: the state after `last` and after every draft (len(drafts) + 1 planes). Otherwise (checkpoint, a
+        plain step, a prompt chunk): only the state after the final token.
+        """
+        n = len(self.fed) + len(self.drafts)
+        if self.mode == "snapshot":
+            keep = len(self.drafts) + 1
+            return (-1,) * (n - keep) + self.write_pool[:keep]
+        return (-1,) * (n - 1) + self.write_pool[:1]
+
+    @property
+    def logit_rows(self) -> tuple[int, ...]:
+        """Indices into `tokens` whose logits verification needs."""
+        if not self.needs_logits:
+            return ()
+        return tuple(range(len(self.fed) - 1, len(self.fed) + len(self.drafts)))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one model step computes. Returned by `Scheduler.schedule`; drafts are attached with `with_drafts`."""
+
+    step: int
+    rows: tuple[Row, ...]
+
+    def row(self, seq_id: SeqId) -> Row:
+        """The row of `seq_id` (KeyError when the sequence is not in this step)."""
+        for r in self.rows:
+            if r.seq_id == seq_id:
+                return r
+        raise KeyError(seq_id)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens fed in this step, drafts included."""
+        return sum(len(r.fed) + len(r.drafts) for r in self.rows)
+
+    def with_drafts(self, drafts: Mapping[SeqId, Sequence[int]],
+                    drafters: Mapping[SeqId, str] | None = None) -> StepPlan:
+        """A copy of the plan with each row's actual drafts (at most its draft_max, possibly empty) attached.
+
+        drafters optionally names the drafter of each draft, for the per-drafter statistics of the done event.
+        """
+        by_id = {r.seq_id: r for r in self.rows}
+        unknown = [s for s in drafts if s not in by_id]
+        if unknown:
+            raise ValueError(f"drafts for sequences not in step {self.step}: {unknown!r}")
+        rows = []
+        for r in self.rows:
+            tokens = tuple(int(t) for t in drafts.get(r.seq_id, ()))
+            if len(tokens) > r.draft_max:
+                raise ValueError(f"sequence {r.seq_id!r}: {len(tokens)} drafts, at most {r.draft_max} allowed")
+            name = (drafters or {}).get(r.seq_id, UNNAMED_DRAFTER) if tokens else None
+            rows.append(replace(r, drafts=tokens, drafter=name))
+        return StepPlan(self.step, tuple(rows))
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A verified row: `tokens` = the accepted drafts then one token sampled from the target."""
+
+    tokens: tuple[int, ...]
+    n_accepted: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        if not 0 <= self.n_accepted == len(self.tokens) - 1:
+            raise ValueError(f"{len(self.tokens)} committed tokens for {self.n_accepted} accepted drafts")
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """New output: token ids as committed and the text now safe to show (text may lag ids near stop strings)."""
+
+    seq_id: SeqId
+    token_ids: tuple[int, ...]
+    text: str
+    n_from_drafts: int
+
+
+@dataclass(frozen=True)
+class DraftStats:
+    """Draft tokens verified and accepted, for one drafter over one request."""
+
+    drafted: int
+    accepted: int
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The last event of a sequence.
+
+    completion_tokens counts every generated token, a final stop token included (which is not emitted).
+    rollback_steps counts verify steps (steps that fed at least one draft) per rollback mode.
+    """
+
+    seq_id: SeqId
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    drafters: Mapping[str, DraftStats] = field(default_factory=dict)
+    rollback_steps: Mapping[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+
+
+Event = TokensEvent | DoneEvent

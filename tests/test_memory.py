@@ -1,0 +1,127 @@
+"""The memory budget: pool sizing, exact accounting of pages and planes, and the rollback/draft-length rule."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.memory import (DraftCandidate, MemoryManager, PoolSizes, decide_drafts, expected_replay, pages_for,
+                              pool_sizes)
+
+
+def cand(seq_id, want=4, preference="auto", kv_end=1, pages_owned=1, spare=1, pending=0, alpha=0.5):
+    return DraftCandidate(seq_id, want, preference, kv_end=kv_end, pages_owned=pages_owned, spare_planes=spare,
+                          n_pending=pending, alpha=alpha)
+
+
+def decide(cands, *, budget=100, pages=100, planes=100, page_size=4):
+    return {d.seq_id: d for d in decide_drafts(cands, token_budget=budget, free_pages=pages, free_planes=planes,
+                                               page_size=page_size)}
+
+
+def test_pool_sizes_split_bytes():
+    sizes = pool_sizes(1000, page_bytes=10, plane_bytes=100, page_size=16, max_running=2, planes_per_seq=3)
+    assert sizes == PoolSizes(n_pages=30, n_planes=7, page_size=16)
+    with pytest.raises(ValueError):
+        pool_sizes(700, page_bytes=10, plane_bytes=100, page_size=16, max_running=2, planes_per_seq=3)
+    with pytest.raises(ValueError):
+        pool_sizes(10**6, page_bytes=10, plane_bytes=100, page_size=16, max_running=2, planes_per_seq=1)
+    with pytest.raises(ValueError):
+        PoolSizes(n_pages=10, n_planes=2, page_size=4)
+
+
+def test_pages_for():
+    assert [pages_for(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_expected_replay():
+    assert expected_replay(0.0, 3, 2) == 3.0  # always rejected at once: replay pending + last
+    assert expected_replay(1.0, 3, 2) == 0.0  # always fully accepted: checkpoint replays nothing
+    assert expected_replay(0.5, 0, 5) == 0.0
+    assert expected_replay(0.5, 2, 0) == pytest.approx(0.5 * 1 + 0.25 * 2)
+
+
+def test_manager_accounting_is_exact():
+    mem = MemoryManager(PoolSizes(n_pages=6, n_planes=5, page_size=4))
+    assert (mem.free_pages, mem.free_planes, mem.usable_pages, mem.usable_planes) == (5, 4, 5, 4)
+    pages, planes = mem.take_pages(3), mem.take_planes(4)
+    assert 0 not in pages and 0 not in planes and len(set(pages)) == 3 and sorted(planes) == [1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        mem.take_planes(1)
+    mem.give_planes(planes[:2])
+    with pytest.raises(ValueError):
+        mem.give_planes(planes[:1])  # double free
+    with pytest.raises(ValueError):
+        mem.give_pages([0])  # the trash page is never handed out
+    mem.give_pages(pages)
+    mem.give_planes(planes[2:])
+    assert (mem.free_pages, mem.free_planes) == (5, 4)
+
+
+def test_budget_and_pages_are_consumed_in_priority_order():
+    out = decide([cand("a", want=5), cand("b", want=5)], budget=7)
+    assert (out["a"].n_drafts, out["b"].n_drafts) == (5, 2)
+    # kv_end 6 with 2 pages of 4 and no free page: room for 2 more positions
+    out = decide([cand("a", want=5, kv_end=6, pages_owned=2)], pages=0)
+    assert (out["a"].n_drafts, out["a"].new_pages) == (2, 0)
+    out = decide([cand("a", want=5, kv_end=6, pages_owned=2), cand("b", want=5, kv_end=4, pages_owned=1)], pages=1)
+    assert (out["a"].n_drafts, out["a"].new_pages, out["b"].n_drafts) == (5, 1, 0)
+    assert out["b"].mode is None
+
+
+def test_forced_modes():
+    out = decide([cand("c", preference="checkpoint")])
+    assert (out["c"].mode, out["c"].n_drafts, out["c"].new_planes) == ("checkpoint", 4, 0)
+    out = decide([cand("s", preference="snapshot", want=6, spare=1, kv_end=4, pages_owned=1)], planes=2)
+    assert (out["s"].mode, out["s"].n_drafts, out["s"].new_planes, out["s"].new_pages) == ("snapshot", 2, 2, 1)
+    out = decide([cand("s", preference="snapshot", spare=1)], planes=0)
+    assert (out["s"].mode, out["s"].n_drafts) == (None, 0)
+    # forced snapshot is served before auto even when auto comes first in priority
+    out = decide([cand("a", want=3), cand("s", preference="snapshot", want=3)], planes=3)
+    assert (out["s"].mode, out["s"].new_planes, out["a"].mode) == ("snapshot", 3, "checkpoint")
+
+
+def test_auto_spends_planes_where_they_save_most_replay():
+    # Same draft length: a sequence half accepted saves more than one almost always fully accepted.
+    out = decide([cand("sure", alpha=0.99), cand("half", alpha=0.5)], planes=4)
+    assert (out["half"].mode, out["sure"].mode) == ("snapshot", "checkpoint")
+    # Replayed tokens before `last` count too.
+    out = decide([cand("p0", pending=0), cand("p5", pending=5)], planes=4)
+    assert (out["p5"].mode, out["p0"].mode) == ("snapshot", "checkpoint")
+    # A snapshot that needs no extra plane is always taken; planes left over go to the next best.
+    out = decide([cand("free", want=1, spare=2), cand("x", want=2, spare=1)], planes=2)
+    assert (out["free"].mode, out["free"].new_planes, out["x"].mode, out["x"].new_planes) == ("snapshot", 0,
+                                                                                            "snapshot", 2)
+
+
+def test_manager_keeps_reserved_planes_for_admission():
+    mem = MemoryManager(PoolSizes(n_pages=10, n_planes=8, page_size=4))
+    c = [cand("a", want=3)]
+    assert mem.decide_drafts(c, 10)[0].mode == "snapshot"
+    assert mem.decide_drafts(c, 10, reserve_planes=6)[0].mode == "checkpoint"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 8), st.sampled_from(["auto", "snapshot", "checkpoint"]),
+                          st.integers(1, 40), st.integers(0, 3), st.integers(0, 4), st.integers(0, 10),
+                          st.floats(0, 1)), max_size=8),
+       st.integers(0, 30), st.integers(0, 6), st.integers(0, 12), st.sampled_from([1, 4, 16]))
+def test_decisions_respect_every_limit(raw, budget, free_pages, free_planes, page_size):
+    cands = [DraftCandidate(i, want, pref, kv_end=kv_end, pages_owned=pages_for(kv_end, page_size) + more,
+                            spare_planes=spare, n_pending=pending, alpha=alpha)
+             for i, (want, pref, kv_end, more, spare, pending, alpha) in enumerate(raw)]
+    out = decide_drafts(cands, token_budget=budget, free_pages=free_pages, free_planes=free_planes,
+                        page_size=page_size)
+    assert [d.seq_id for d in out] == [c.seq_id for c in cands]
+    assert sum(d.n_drafts for d in out) <= budget
+    assert sum(d.new_pages for d in out) <= free_pages
+    assert sum(d.new_planes for d in out) <= free_planes
+    for c, d in zip(cands, out):
+        assert 0 <= d.n_drafts <= c.want
+        assert (d.mode is None) == (d.n_drafts == 0)
+        assert c.pages_owned + d.new_pages >= pages_for(c.kv_end + d.n_drafts, page_size)
+        if d.mode == "snapshot":
+            assert c.preference != "checkpoint" and d.new_planes == max(0, d.n_drafts + 1 - c.spare_planes)
+        else:
+            assert d.new_planes == 0 and (d.mode is None or c.preference != "snapshot")

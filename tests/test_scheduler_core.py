@@ -1,0 +1,547 @@
+"""The scheduler core against a fake model whose output depends on the GDN planes and the KV pages it is given.
+
+The fake model's "recurrent state" is a hash of every token fed so far, kept per plane; its "KV" is a dict
+page -> slot -> token; the next token depends on both. A wrong read plane, a wrong write plane or a stale KV
+position changes the output, so "every sequence's output equals its plain greedy decode" checks the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler.core import Scheduler
+from scheduler.memory import MemoryManager, PoolSizes, pages_for
+from scheduler.stops import scan_stop_strings
+from scheduler.types import Committed, DoneEvent, Request, StepPlan, TokensEvent
+
+V = 32
+EOS = 0
+MASK = (1 << 64) - 1
+# A toy vocabulary whose tokens glue into words, so that stop strings straddle token boundaries.
+VOCAB = ["<eos>", "a", "b", "c", "ab", "bc", "ca", " ", "x", "yz", "\n", "d", "e", "f", "de", "ef",
+         "g", "h", "gh", "i", "j", "k", "l", "m", "n", "o", "p", "q", "r", "s", "t", "u"]
+
+
+def mix(state: int, token: int) -> int:
+    """The fake recurrent update: state after feeding `token`."""
+    return ((state ^ (token + 1)) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & MASK
+
+
+def greedy_next(state: int, kv: tuple[int, ...]) -> int:
+    """The fake model's argmax given the recurrent state and the attention's view of the KV."""
+    return (((state ^ hash(kv)) * 0xD6E8FEB86659FD93 & MASK) >> 40) % V
+
+
+def continuation(prompt: tuple[int, ...], n: int) -> list[int]:
+    """Plain greedy decoding of n tokens, no stops, one sequence alone."""
+    tokens, state = list(prompt), 0
+    for t in prompt:
+        state = mix(state, t)
+    out = []
+    for _ in range(n):
+        nxt = greedy_next(state, tuple(tokens))
+        out.append(nxt)
+        tokens.append(nxt)
+        state = mix(state, nxt)
+    return out
+
+
+def reference(req: Request, max_model_len: int) -> tuple[list[int], str, str, int]:
+    """What a lone sequence must emit: (token ids, text, finish reason, tokens generated), stops applied naively."""
+    ids, text = [], ""
+    for n, tok in enumerate(continuation(req.prompt, max_model_len - len(req.prompt)), start=1):
+        if tok in req.stop_token_ids:
+            return ids, text, "stop", n
+        ids.append(tok)
+        text += VOCAB[tok]
+        hits = [i for s in req.stop_strings if (i := text.find(s)) >= 0]
+        if hits:
+            return ids, text[: min(hits)], "stop", n
+        if n == req.max_tokens or len(req.prompt) + n == max_model_len:
+            return ids, text, "length", n
+    raise AssertionError("unreachable")
+
+
+class TableDetokenizer:
+    """Incremental detokenizer over the toy vocabulary."""
+
+    def add(self, token_id: int) -> str:
+        return VOCAB[token_id]
+
+    def flush(self) -> str:
+        return ""
+
+
+class FakeModel:
+    """Runs a plan like the real step: rows read their plane at the start, write planes and KV as they go."""
+
+    def __init__(self, page_size: int, script: dict | None = None):
+        self.page_size = page_size
+        self.planes: dict[int, int] = {}
+        self.kv: dict[int, dict[int, int]] = defaultdict(dict)
+        self.script = script or {}  # seq_id -> forced output tokens (position-indexed from the prompt end)
+
+    def run(self, plan: StepPlan, prompts: dict) -> dict:
+        """seq_id -> greedy tokens at the row's logit_rows."""
+        check_plan(plan, self.page_size)
+        writes, out = {}, {}
+        for row in plan.rows:
+            assert row.read_plane == 0 or row.read_plane in self.planes, "reads a plane nobody wrote"
+            state = self.planes.get(row.read_plane, 0)
+            targets = []
+            for i, (tok, pos) in enumerate(zip(row.tokens, row.positions)):
+                self.kv[row.pages[pos // self.page_size]][pos % self.page_size] = tok
+                state = mix(state, tok)
+                if row.write_planes[i] >= 0:
+                    writes[row.write_planes[i]] = state
+                if i in row.logit_rows:
+                    view = tuple(self.kv[row.pages[p // self.page_size]][p % self.page_size] for p in range(pos + 1))
+                    script = self.script.get(row.seq_id)
+                    targets.append(script[pos + 1 - len(prompts[row.seq_id])] if script else greedy_next(state, view))
+            out[row.seq_id] = targets
+        self.planes.update(writes)
+        return out
+
+
+def check_plan(plan: StepPlan, page_size: int) -> None:
+    """Structural invariants every plan must keep."""
+    ids = [r.seq_id for r in plan.rows]
+    assert len(ids) == len(set(ids))
+    pages = [p for r in plan.rows for p in r.pages]
+    assert len(pages) == len(set(pages)) and 0 not in pages, "rows share KV pages or use the trash page"
+    written = [w for r in plan.rows for w in r.write_planes if w >= 0]
+    assert len(written) == len(set(written)) and 0 not in written, "a plane written twice or the null plane"
+    assert not set(written) & {r.read_plane for r in plan.rows}, "a plane read and written in one step"
+    for r in plan.rows:
+        assert len(r.write_planes) == len(r.tokens) == len(r.positions) > 0
+        assert r.write_planes[-1] >= 0, "the final state must land somewhere"
+        assert pages_for(r.start + len(r.tokens), page_size) <= len(r.pages)
+        assert len(r.drafts) <= r.draft_max
+        if r.needs_logits:
+            assert r.logit_rows == tuple(range(len(r.fed) - 1, len(r.tokens)))
+        else:
+            assert r.logit_rows == () and not r.drafts
+
+
+def verify_greedy(plan: StepPlan, targets: dict) -> dict:
+    """Accept drafts while they equal the target's argmax, then take the target's token."""
+    out = {}
+    for row in plan.rows:
+        if not row.needs_logits:
+            continue
+        t = targets[row.seq_id]
+        a = 0
+        while a < len(row.drafts) and row.drafts[a] == t[a]:
+            a += 1
+        out[row.seq_id] = Committed(tuple(row.drafts[:a]) + (t[a],), a)
+    return out
+
+
+@dataclass
+class Scenario:
+    """Requests arriving at given steps, aborts at given steps, a drafter corrupting drafts at given rates."""
+
+    requests: list[Request]
+    arrivals: dict = field(default_factory=dict)  # seq_id -> step
+    aborts: dict = field(default_factory=dict)  # seq_id -> (step, mid_flight)
+    corruption: dict = field(default_factory=dict)  # seq_id -> probability a draft token is wrong
+    seed: int = 0
+
+
+@dataclass
+class Run:
+    events: dict  # seq_id -> list of events
+    plans: list
+    waiting_seen: int
+    sched: Scheduler
+
+
+def simulate(sc: Scenario, sched: Scheduler, *, max_steps: int = 3000, script: dict | None = None) -> Run:
+    """Drive the scheduler like the engine does, with the fake model, drafter and greedy verification."""
+    rng = random.Random(sc.seed)
+    model = FakeModel(sched.memory.page_size, script)
+    prompts = {r.seq_id: r.prompt for r in sc.requests}
+    truth = {r.seq_id: list(r.prompt) + (script[r.seq_id] if script and r.seq_id in script else
+                                         continuation(r.prompt, sched.max_model_len)) for r in sc.requests}
+    events: dict = defaultdict(list)
+    plans, waiting_seen, step = [], 0, 0
+    pending = sorted(sc.requests, key=lambda r: sc.arrivals.get(r.seq_id, 0))
+
+    def record(evs):
+        for e in evs:
+            events[e.seq_id].append(e)
+
+    while pending or sched.has_work:
+        assert step < max_steps, "no progress"
+        while pending and sc.arrivals.get(pending[0].seq_id, 0) <= step:
+            sched.add(pending.pop(0))
+        for sid, (at, mid) in sc.aborts.items():
+            if at == step and not mid:
+                record(sched.abort(sid))
+        plan = sched.schedule()
+        waiting_seen = max(waiting_seen, sched.n_waiting)
+        if plan.rows:
+            drafts = {}
+            for row in plan.rows:
+                if row.draft_max:
+                    have = sched.tokens(row.seq_id)
+                    k = rng.randint(0, row.draft_max)
+                    true = truth[row.seq_id][len(have):len(have) + k]
+                    q = sc.corruption.get(row.seq_id, 0.0)
+                    drafts[row.seq_id] = [(t + rng.randrange(1, V)) % V if rng.random() < q else t for t in true]
+            plan = plan.with_drafts(drafts, {sid: "fake" for sid in drafts})
+            plans.append(plan)
+            targets = model.run(plan, prompts)
+            for sid, (at, mid) in sc.aborts.items():
+                if at == step and mid:
+                    evs = sched.abort(sid)
+                    assert evs == [] or sid not in {r.seq_id for r in plan.rows}
+                    record(evs)
+            record(sched.update(plan, verify_greedy(plan, targets)))
+        step += 1
+    return Run(dict(events), plans, waiting_seen, sched)
+
+
+def check_events(run: Run, sc: Scenario) -> None:
+    """Every sequence: tokens events then exactly one done; output equals the lone greedy decode."""
+    aborted = set(sc.aborts)
+    for req in sc.requests:
+        evs = run.events[req.seq_id]
+        assert [isinstance(e, DoneEvent) for e in evs] == [False] * (len(evs) - 1) + [True], evs
+        done = evs[-1]
+        ids = [t for e in evs[:-1] for t in e.token_ids]
+        text = "".join(e.text for e in evs[:-1])
+        want_ids, want_text, want_reason, want_n = reference(req, run.sched.max_model_len)
+        assert done.prompt_tokens == len(req.prompt)
+        if done.finish_reason == "cancelled":
+            assert req.seq_id in aborted
+            assert ids == want_ids[: len(ids)] and want_text.startswith(text)
+        else:
+            assert (ids, text, done.finish_reason) == (want_ids, want_text, want_reason), req.seq_id
+            assert done.completion_tokens == want_n
+        n_drafts = sum(e.n_from_drafts for e in evs[:-1])
+        assert 0 <= n_drafts <= sum(s.accepted for s in done.drafters.values())
+        for e in evs[:-1]:
+            assert isinstance(e, TokensEvent) and (e.token_ids or e.text)
+            assert 0 <= e.n_from_drafts <= len(e.token_ids)
+    mem = run.sched.memory
+    assert (mem.free_pages, mem.free_planes) == (mem.usable_pages, mem.usable_planes)
+    assert not run.sched.has_work
+
+
+def make_scheduler(*, n_pages=64, n_planes=40, page_size=4, max_model_len=40, token_budget=48, max_running=8,
+                   chunk_size=None) -> Scheduler:
+    mem = MemoryManager(PoolSizes(n_pages=n_pages, n_planes=n_planes, page_size=page_size))
+    return Scheduler(mem, TableDetokenizer, max_model_len=max_model_len, token_budget=token_budget,
+                     max_running=max_running, chunk_size=chunk_size)
+
+
+def random_scenario(seed: int, n: int, *, rollback=None, corruption=None, abort_share=0.0) -> Scenario:
+    rng = random.Random(seed)
+    reqs, arrivals, aborts, corr = [], {}, {}, {}
+    for i in range(n):
+        sid = f"s{i}"
+        reqs.append(Request(sid, tuple(rng.randrange(1, V) for _ in range(rng.randint(1, 14))),
+                            max_tokens=rng.randint(1, 20), stop_token_ids={EOS} if rng.random() < 0.5 else (),
+                            rollback=rollback or rng.choice(["auto", "snapshot", "checkpoint"]),
+                            n_max=rng.choice([0, 2, 4, 6, 6])))
+        arrivals[sid] = rng.randint(0, 12)
+        corr[sid] = corruption if corruption is not None else rng.choice([0.0, 0.2, 0.5, 1.0])
+        if rng.random() < abort_share:
+            aborts[sid] = (arrivals[sid] + rng.randint(0, 8), rng.random() < 0.5)
+    return Scenario(reqs, arrivals, aborts, corr, seed)
+
+
+def mode_steps(run: Run) -> dict:
+    total = {"snapshot": 0, "checkpoint": 0}
+    for evs in run.events.values():
+        for mode, n in evs[-1].rollback_steps.items():
+            total[mode] += n
+    return total
+
+
+# ---- the lossless property ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rollback", ["snapshot", "checkpoint", "auto"])
+@pytest.mark.parametrize("corruption", [0.0, 0.35, 1.0])
+def test_lossless_per_mode_and_acceptance(rollback, corruption):
+    sc = random_scenario(7, 16, rollback=rollback, corruption=corruption)
+    # Few planes and pages: snapshot must shorten or fall back, requests queue, sequences get preempted.
+    sched = make_scheduler(n_pages=16, n_planes=12, page_size=4, max_model_len=36, token_budget=24, max_running=6)
+    run = simulate(sc, sched)
+    check_events(run, sc)
+    assert run.waiting_seen > 0
+    steps = mode_steps(run)
+    if rollback != "auto":
+        assert steps[rollback] > 0 and sum(steps.values()) == steps[rollback]
+    drafted = [s for evs in run.events.values() for s in evs[-1].drafters.values()]
+    accepted, total = sum(s.accepted for s in drafted), sum(s.drafted for s in drafted)
+    assert total > 0
+    if corruption == 0.0:
+        assert accepted == total
+    if corruption == 1.0:
+        assert accepted == 0
+
+
+def test_auto_uses_both_modes_and_preempts():
+    sc = random_scenario(3, 20, rollback="auto", corruption=0.3)
+    sched = make_scheduler(n_pages=14, n_planes=14, page_size=4, max_model_len=36, token_budget=32, max_running=6)
+    run = simulate(sc, sched)
+    check_events(run, sc)
+    steps = mode_steps(run)
+    assert steps["snapshot"] > 0 and steps["checkpoint"] > 0, steps
+    assert sum(evs[-1].preemptions for evs in run.events.values()) > 0
+    assert run.waiting_seen > 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), n=st.integers(16, 22), page_size=st.sampled_from([2, 4, 8]),
+       extra_pages=st.integers(0, 24), n_planes=st.integers(3, 24), token_budget=st.integers(6, 40),
+       max_running=st.integers(1, 8), chunk_size=st.sampled_from([None, 1, 3, 8]))
+def test_lossless_random_mixes(seed, n, page_size, extra_pages, n_planes, token_budget, max_running, chunk_size):
+    max_model_len = 30
+    sc = random_scenario(seed, n, abort_share=0.25)
+    sched = make_scheduler(n_pages=1 + pages_for(max_model_len, page_size) + extra_pages, n_planes=n_planes,
+                           page_size=page_size, max_model_len=max_model_len, token_budget=token_budget,
+                           max_running=max_running, chunk_size=chunk_size)
+    check_events(simulate(sc, sched), sc)
+
+
+# ---- scheduling --------------------------------------------------------------------------------------------
+
+
+def test_long_prompt_is_chunked_while_others_keep_decoding():
+    sched = make_scheduler(token_budget=6, chunk_size=4, max_model_len=64, n_pages=64)
+    model, prompts = FakeModel(4), {}
+    dec = Request("dec", (5, 6), max_tokens=30)
+    long = Request("long", tuple(range(1, 23)), max_tokens=2)
+    for r in (dec, long):
+        prompts[r.seq_id] = r.prompt
+    sched.add(dec)
+    events = []
+    plan = sched.schedule()
+    events += sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
+    sched.add(long)
+    chunks = []
+    while sched.has_work:
+        plan = sched.schedule()
+        rows = {r.seq_id: r for r in plan.rows}
+        if "long" in rows and not rows["long"].needs_logits:
+            assert "dec" in rows and rows["dec"].logit_rows == (0,), "decoding stalls behind a prompt"
+            assert rows["long"].logit_rows == ()
+        if "long" in rows:
+            chunks.append(len(rows["long"].fed))
+        assert plan.n_tokens <= 6
+        events += sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
+    assert chunks[:5] == [4, 4, 4, 4, 4] and sum(chunks[:6]) == 22
+    long_ids = [t for e in events if e.seq_id == "long" and isinstance(e, TokensEvent) for t in e.token_ids]
+    assert long_ids == reference(long, 64)[0]
+
+
+def test_round_robin_when_the_budget_is_short():
+    sched = make_scheduler(token_budget=6, max_running=6, max_model_len=64)
+    model = FakeModel(4)
+    reqs = [Request(f"r{i}", (i + 1,), max_tokens=40) for i in range(6)]
+    prompts = {r.seq_id: r.prompt for r in reqs}
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert len(plan.rows) == 6
+    sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
+    sched.token_budget = 3
+    served = defaultdict(int)
+    for _ in range(12):
+        plan = sched.schedule()
+        assert len(plan.rows) == 3
+        for r in plan.rows:
+            served[r.seq_id] += 1
+        sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
+    assert set(served.values()) == {6}, served
+
+
+def test_admission_waits_for_planes_and_max_running():
+    sched = make_scheduler(n_planes=5, max_running=8)  # 4 usable planes: two sequences
+    for i in range(3):
+        sched.add(Request(f"r{i}", (1, 2), max_tokens=5))
+    plan = sched.schedule()
+    assert [r.seq_id for r in plan.rows] == ["r0", "r1"] and sched.n_waiting == 1
+    sched.update(plan, verify_greedy(plan, FakeModel(4).run(plan, {f"r{i}": (1, 2) for i in range(3)})))
+    sched2 = make_scheduler(max_running=1)
+    sched2.add(Request("a", (1,), max_tokens=3))
+    sched2.add(Request("b", (1,), max_tokens=3))
+    assert [r.seq_id for r in sched2.schedule().rows] == ["a"]
+
+
+def test_preemption_takes_the_youngest_and_loses_nothing():
+    # 4 usable pages of 4 tokens: both sequences cannot reach 14 positions at once.
+    reqs = [Request("old", (1, 2, 3), max_tokens=11, n_max=2), Request("young", (4, 5, 6), max_tokens=11, n_max=2)]
+    sc = Scenario(reqs, corruption={"old": 0.3, "young": 0.3}, seed=1)
+    run = simulate(sc, make_scheduler(n_pages=5, max_model_len=16, token_budget=8))
+    check_events(run, sc)
+    assert run.events["old"][-1].preemptions == 0 and run.events["young"][-1].preemptions > 0
+
+
+def test_snapshot_with_few_planes_shortens_drafts_and_auto_falls_back():
+    sched = make_scheduler(n_planes=6)  # 5 usable: two sequences hold 4, one plane to borrow
+    model = FakeModel(4)
+    reqs = [Request("snap", (3,), max_tokens=20, n_max=6, rollback="snapshot"),
+            Request("auto", (4,), max_tokens=20, n_max=6, rollback="auto")]
+    prompts = {r.seq_id: r.prompt for r in reqs}
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()  # the prompt step: no drafts for just-admitted sequences
+    assert all(r.draft_max == 0 and r.mode is None for r in plan.rows)
+    sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
+    plan = sched.schedule()
+    snap, auto = plan.row("snap"), plan.row("auto")
+    assert (snap.mode, snap.draft_max) == ("snapshot", 1)  # 1 spare + 1 borrowed plane = 2 writes
+    assert (auto.mode, auto.draft_max) == ("checkpoint", 6)
+    assert len(snap.write_pool) == 2 and len(auto.write_pool) == 1
+    sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
+    assert sched.memory.free_planes == 1
+
+
+# ---- aborts ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(abort_step=st.integers(0, 12), mid_flight=st.booleans(), victim=st.integers(0, 3), seed=st.integers(0, 99))
+def test_abort_at_any_point_returns_memory(abort_step, mid_flight, victim, seed):
+    reqs = [Request(f"s{i}", (i + 1, 2, 3, 4, 5, 6, 7)[: 2 + 2 * i], max_tokens=8, n_max=3,
+                    rollback=["auto", "snapshot", "checkpoint", "auto"][i]) for i in range(4)]
+    sc = Scenario(reqs, {f"s{i}": i for i in range(4)}, {f"s{victim}": (abort_step, mid_flight)},
+                  {f"s{i}": 0.4 for i in range(4)}, seed)
+    run = simulate(sc, make_scheduler(n_planes=9, max_running=3, token_budget=10, chunk_size=3))
+    check_events(run, sc)
+
+
+def test_abort_unknown_twice_and_waiting():
+    sched = make_scheduler(max_running=1)
+    assert sched.abort("nobody") == []
+    sched.add(Request("a", (1, 2), max_tokens=4))
+    sched.add(Request("b", (1, 2), max_tokens=4))
+    plan = sched.schedule()
+    assert sched.abort("a") == []  # in flight: deferred to update
+    [done_b] = sched.abort("b")  # waiting: immediate
+    assert done_b.finish_reason == "cancelled" and done_b.completion_tokens == 0
+    assert sched.abort("b") == [] and sched.abort("a") == []
+    events = sched.update(plan, verify_greedy(plan, FakeModel(4).run(plan, {"a": (1, 2)})))
+    assert [(type(e), e.finish_reason) for e in events] == [(DoneEvent, "cancelled")]
+    assert not sched.has_work and sched.memory.free_planes == sched.memory.usable_planes
+
+
+def test_fail_ends_the_step_with_errors():
+    sched = make_scheduler()
+    sched.add(Request("a", (1, 2), max_tokens=4))
+    plan = sched.schedule()
+    [done] = sched.fail(plan)
+    assert done.finish_reason == "error"
+    assert (sched.memory.free_pages, sched.memory.free_planes) == (sched.memory.usable_pages,
+                                                                   sched.memory.usable_planes)
+
+
+# ---- stops -------------------------------------------------------------------------------------------------
+
+
+def scripted(req: Request, script: list[int], **sched_kw) -> Run:
+    """One request whose target emits `script`; the drafter proposes the script (all accepted)."""
+    sc = Scenario([req])
+    return simulate(sc, make_scheduler(**sched_kw), script={req.seq_id: script})
+
+
+def outputs(run: Run, sid) -> tuple[list[int], str, DoneEvent]:
+    evs = run.events[sid]
+    return ([t for e in evs[:-1] for t in e.token_ids], "".join(e.text for e in evs[:-1]), evs[-1])
+
+
+@pytest.mark.parametrize("n_max", [0, 4])
+def test_stop_string_across_tokens_is_never_emitted(n_max):
+    # a | b | c | ab  -> text "abcab": stop "bca" spans tokens 2..4 ("b" "c" "ab").
+    req = Request("s", (1,), max_tokens=20, stop_strings=("bca",), n_max=n_max)
+    run = scripted(req, [1, 2, 3, 4, 8, 8, 8, 8, 8, 8])
+    ids, text, done = outputs(run, "s")
+    assert text == "a" and ids == [1, 2, 3, 4] and done.finish_reason == "stop"
+    assert done.completion_tokens == 4
+    texts = [e.text for e in run.events["s"][:-1]]
+    assert all("b" not in t for t in texts)
+
+
+def test_held_back_text_is_released_when_no_stop_follows():
+    req = Request("s", (1,), max_tokens=3, stop_strings=("abx",))
+    ids, text, done = outputs(scripted(req, [1, 2, 2, 9]), "s")
+    assert (ids, text, done.finish_reason) == ([1, 2, 2], "abb", "length")
+    req = Request("s", (1,), max_tokens=3, stop_strings=("bbb",))
+    run = scripted(req, [1, 2, 2, 9])
+    assert [e.text for e in run.events["s"][:-1]] == ["a", "", "bb"]  # "b", "bb" held until the end
+
+
+@pytest.mark.parametrize("n_max", [0, 5])
+def test_stop_token_is_not_emitted_and_later_tokens_dropped(n_max):
+    req = Request("s", (1,), max_tokens=20, stop_token_ids={EOS}, n_max=n_max)
+    ids, text, done = outputs(scripted(req, [8, 9, EOS, 8, 8, 8, 8, 8, 8]), "s")
+    assert (ids, text, done.finish_reason, done.completion_tokens) == ([8, 9], "xyz", "stop", 3)
+
+
+@pytest.mark.parametrize("n_max", [0, 6])
+def test_max_tokens_cuts_accepted_drafts(n_max):
+    req = Request("s", (1,), max_tokens=5, n_max=n_max)
+    run = scripted(req, [8] * 20)
+    ids, _, done = outputs(run, "s")
+    assert (ids, done.finish_reason, done.completion_tokens) == ([8] * 5, "length", 5)
+    for plan in run.plans:
+        for row in plan.rows:  # drafts never reach past the last token max_tokens allows
+            assert row.start + len(row.fed) + row.draft_max <= 1 + 5
+    assert n_max == 0 or sum(e.n_from_drafts for e in run.events["s"][:-1]) > 0
+
+
+def test_context_length():
+    req = Request("s", (1, 2, 3, 4, 5, 6, 7), max_tokens=50, n_max=4)
+    run = scripted(req, [8] * 20, max_model_len=10)
+    ids, _, done = outputs(run, "s")
+    assert (ids, done.finish_reason) == ([8, 8, 8], "length")
+    assert max(r.start + len(r.tokens) for p in run.plans for r in p.rows) <= 9
+
+
+def test_stop_scan():
+    assert scan_stop_strings("abc", ["bcd"]) == scan_stop_strings("abc", ("bcd", "zz"))
+    s = scan_stop_strings("abc", ["bcd"])
+    assert (s.emit, s.held, s.stopped) == ("a", "bc", False)
+    s = scan_stop_strings("bcx", ["bcd"])
+    assert (s.emit, s.held, s.stopped) == ("bcx", "", False)
+    s = scan_stop_strings("xbcdbc", ["cd", "bcd"])
+    assert (s.emit, s.held, s.stopped) == ("x", "", True)
+    assert scan_stop_strings("abc", []).emit == "abc"
+
+
+# ---- API misuse --------------------------------------------------------------------------------------------
+
+
+def test_misuse_is_refused():
+    sched = make_scheduler(max_model_len=8)
+    with pytest.raises(ValueError):
+        sched.add(Request("long", tuple(range(1, 9)), max_tokens=2))
+    with pytest.raises(ValueError):
+        Request("e", (), max_tokens=2)
+    with pytest.raises(ValueError):
+        Request("e", (1,), max_tokens=2, rollback="sometimes")
+    sched.add(Request("a", (1,), max_tokens=4, n_max=2))
+    with pytest.raises(ValueError):
+        sched.add(Request("a", (1,), max_tokens=4))
+    plan = sched.schedule()
+    with pytest.raises(RuntimeError):
+        sched.schedule()
+    with pytest.raises(ValueError):
+        plan.with_drafts({"a": [1]})  # the prompt step carries no drafts
+    with pytest.raises(ValueError):
+        plan.with_drafts({"zz": []})
+    with pytest.raises(ValueError):
+        sched.update(plan, {})
+    with pytest.raises(ValueError):
+        Committed((1, 2), 0)
