@@ -37,9 +37,10 @@ EOG_TEXTS = frozenset(
     }
 )  # fmt: skip
 
-NORMAL, CONTROL, USER_DEFINED, UNUSED = (
-    int(gguf.TokenType.NORMAL), int(gguf.TokenType.CONTROL), int(gguf.TokenType.USER_DEFINED), int(gguf.TokenType.UNUSED)
-)  # fmt: skip
+NORMAL = int(gguf.TokenType.NORMAL)
+CONTROL = int(gguf.TokenType.CONTROL)
+USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
+UNUSED = int(gguf.TokenType.UNUSED)
 
 
 @cache
