@@ -116,7 +116,8 @@ def verify(
 
     target_logits [B, R, V]: row r predicts the token after the input's r-th token (`last`, then the drafts).
     draft_tokens  [B, R-1] int32; entries at or beyond n_drafts[b] are padding and never accepted.
-    draft_probs   [B, R-1, V] the distributions the drafts were sampled from, or None for deterministic drafts.
+    draft_probs   [B, R-1, V] the distributions the drafts were sampled from, or None for deterministic drafts;
+                  in a mixed batch, deterministic rows pass one-hot rows.
     n_drafts      [B] int32 in [0, R-1]; 0 is plain sampling.
     positions     [B] int32: the position in its sequence of the token that row 0 predicts.
     Returns n_accepted [B] int32 and tokens [B, R] int32: row b commits tokens[b, :n_accepted[b] + 1], the accepted
@@ -140,7 +141,8 @@ def verify(
         q_x = jnp.take_along_axis(q[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]  # [B, R-1]
         p_x = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
         u = jax.vmap(jax.vmap(jax.random.uniform))(_stream(keys[:, :-1], _ACCEPT))  # [B, R-1]
-        accepted = u * p_x < q_x
+        one_hot_draft = p_x >= 1.0  # a deterministic draft in a mixed batch: keep the coupling with `sample`
+        accepted = jnp.where(one_hot_draft, draft_tokens == target_draws[:, :-1], u * p_x < q_x)
         residual = jnp.maximum(q[:, :-1] - draft_probs, 0.0)  # [B, R-1, V]
         residual_logits = jnp.where(
             jnp.any(residual > 0, axis=-1, keepdims=True),
@@ -148,7 +150,7 @@ def verify(
             processed[:, :-1],  # q == p: rejection has probability 0; any valid distribution will do
         )
         residual_draws = _draw(residual_logits, jnp.zeros_like(greedy), _stream(keys[:, :-1], _RESIDUAL))
-        rejected_draws = jnp.where(is_draft, residual_draws, target_draws[:, :-1])
+        rejected_draws = jnp.where(is_draft & ~one_hot_draft, residual_draws, target_draws[:, :-1])
         corrections = jnp.concatenate([rejected_draws, target_draws[:, -1:]], axis=1)  # [B, R]
 
     n_accepted = jnp.sum(jnp.cumprod(accepted & is_draft, axis=1), axis=1).astype(jnp.int32)  # [B]

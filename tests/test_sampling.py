@@ -118,6 +118,19 @@ def test_same_seed_same_tokens_and_drafts_do_not_change_them():
                 assert tokens[b, r] == plain[b]
 
 
+def test_one_hot_rows_in_a_soft_batch_match_deterministic_drafts():
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(4, 4, V)).astype(np.float32))
+    positions = jnp.asarray([0, 1, 2, 3], jnp.int32)
+    n_drafts = jnp.asarray([3, 3, 2, 1], jnp.int32)
+    for seed in range(0, 40, 4):
+        params = SamplingParams.of(0.9, seed=[seed, seed + 1, seed + 2, seed + 3])
+        drafts = jnp.asarray(rng.integers(0, V, size=(4, 3)), jnp.int32)
+        deterministic = verify_jit(logits, drafts, None, n_drafts, params, positions)
+        one_hot = verify_jit(logits, drafts, jax.nn.one_hot(drafts, V), n_drafts, params, positions)
+        assert all((a == b).all() for a, b in zip(deterministic, one_hot))
+
+
 def test_seed_and_position_change_the_draws():
     logits = jnp.zeros((4, V))
     base = sample_jit(logits, SamplingParams.of(1.0, seed=[1, 2, 3, 4]), jnp.zeros(4, jnp.int32))
