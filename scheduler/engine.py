@@ -23,7 +23,7 @@ from drafters.base import DraftRequest, Drafter
 from drafters.draft_model import DraftModelDrafter
 from drafters.mtp import MtpDrafter
 from drafters.ngram import NgramDrafter
-from drafters.policy import DrafterPolicy, PolicyParams, SpeculativeConfig
+from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
 from jaxmodel.model import Model
 from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
 
@@ -88,14 +88,22 @@ class Engine:
         page_size: int = 16,
         n_max: int = 16,
         policy_params: PolicyParams | None = None,
+        adaptive: bool = True,
     ):
+        """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
+        drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
+        policy in `drafters.policy` chooses drafter and length per sequence."""
         cfg = model.cfg
+        plane_bytes = bytes_per_plane(cfg)
+        # Planes for every sequence to snapshot a full draft, but never more than half the budget.
+        planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // max(plane_bytes, 1) // max_running))
         sizes = pool_sizes(
             budget_bytes,
             page_bytes=kv_bytes_per_page(cfg, page_size),
-            plane_bytes=bytes_per_plane(cfg),
+            plane_bytes=plane_bytes,
             page_size=page_size,
             max_running=max_running,
+            planes_per_seq=planes_per_seq,
         )
         self.model = model
         self.tokenizer = tokenizer
@@ -118,6 +126,7 @@ class Engine:
         for drafter in extra_drafters:
             self.drafters[drafter.name] = drafter
         self.n_max = n_max
+        self.adaptive = adaptive
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
         self._inbox_send, self._inbox = anyio.create_memory_object_stream(math.inf)
@@ -170,7 +179,11 @@ class Engine:
         for row in plan.rows:
             config = row.params.speculative
             if row.draft_max > 0 and config is not None:
-                choices = [c for c in self.policy.plan(row.seq_id, config, len(plan.rows)) if c.drafter in self.drafters]
+                if self.adaptive:
+                    choices = self.policy.plan(row.seq_id, config, len(plan.rows))
+                else:
+                    choices = [Choice(name, config.n_max) for name in config.drafters]
+                choices = [c for c in choices if c.drafter in self.drafters]
                 if choices:
                     options[row.seq_id] = (row, config, choices)
         drafts, names = {}, {}
