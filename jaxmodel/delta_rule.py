@@ -15,13 +15,13 @@ from jaxmodel.kernels.gdn_recurrent import gdn_recurrent
 
 # Implementations `gated_delta_rule(impl=...)` accepts; the chunked ones require final_only.
 IMPLEMENTATIONS = ("scan", "chunked", "pallas_recurrent", "pallas_chunked")
-# On CPU the jnp chunked form catches up with `recurrent_scan` from about this many tokens (measured, see
-# `choose_implementation`).
-CPU_CHUNKED_MIN_TOKENS = 128
+# On CPU the jnp chunked form beats `recurrent_scan` from about this many tokens at real model shapes
+# (measured, see `choose_implementation`).
+CPU_CHUNKED_MIN_TOKENS = 64
 # On GPU the chunked kernel takes prefill chunks from this many tokens; an estimate until measured
 # with bench/gdn_kernels.py (its crossover section).
 GPU_CHUNKED_MIN_TOKENS = 64
-# Chunk of the jnp chunked form; 32 ran as fast as or faster than 64 on CPU.
+# Chunk of the jnp chunked form; on CPU 32 beat 16 and 64 at Dk = Dv = 128.
 CHUNK_SIZE = 32
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -68,6 +68,32 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
     return time_major(out), pool
 
 
+def invert_unit_lower(a: jax.Array) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C], C a power of two.
+
+    Doubles the width of the inverted diagonal blocks with matmuls only:
+    inv([[X, 0], [Y, Z]]) = [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]]. (LAPACK's batched trsm, which
+    `triangular_solve` calls on CPU, is slow at these sizes and stalls on busy machines.)
+    """
+    size, batch = a.shape[-1], a.shape[:-2]
+    if size & (size - 1):
+        raise ValueError(f"chunk size {size} is not a power of two")
+    inverse = jnp.ones(batch + (size, 1, 1), a.dtype)  # inverted diagonal blocks [..., C / s, s, s]
+    width = 1
+    while width < size:
+        n_blocks = size // (2 * width)
+        blocks = a.reshape(batch + (n_blocks, 2 * width, n_blocks, 2 * width))
+        blocks = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., m, 2s, 2s]
+        pairs = inverse.reshape(batch + (n_blocks, 2, width, width))
+        upper, lower = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        corner = -jnp.matmul(lower, jnp.matmul(blocks[..., width:, :width], upper, precision=_HIGHEST),
+                             precision=_HIGHEST)
+        inverse = jnp.concatenate([jnp.concatenate([upper, jnp.zeros_like(upper)], axis=-1),
+                                   jnp.concatenate([corner, lower], axis=-1)], axis=-2)
+        width *= 2
+    return inverse.reshape(batch + (size, size))
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, *, chunk_size: int = CHUNK_SIZE):
     """Chunked (WY / UT-transform) gated delta rule from an initial state, in plain JAX.
 
@@ -80,7 +106,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, *, chunk_size: int =
     Within a chunk of C tokens, with G the cumulative log-decay and A[i, j] = beta_i (k_i . k_j) exp(G_i - G_j)
     for j < i, the per-token deltas are v_new = (I + A)^-1 (beta v) - (I + A)^-1 (beta exp(G) k) S; outputs and
     the next state are matmuls against S and v_new. A serial scan carries S across chunks. T is padded to a
-    multiple of C with identity tokens (g = beta = 0).
+    multiple of C (a power of two) with identity tokens (g = beta = 0).
     """
     n_rows, n_tokens, _, dk = q.shape
     n_value_heads, dv = v.shape[2], v.shape[3]
@@ -105,10 +131,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, *, chunk_size: int =
     decay = jnp.where(causal, jnp.exp(gaps), 0.0)  # [n, B, H, C, C]
     kk = jnp.einsum("...id,...jd->...ij", k, k, precision=_HIGHEST)
     a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
-    rhs = jnp.concatenate([beta[..., None] * v, (beta * jnp.exp(g_cum))[..., None] * k], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(a + jnp.eye(size), rhs, left_side=True, lower=True,
-                                             unit_diagonal=True)
-    u, w = solved[..., :dv], solved[..., dv:]  # [n, B, H, C, Dv], [n, B, H, C, Dk]
+    inverse = invert_unit_lower(a)  # [n, B, H, C, C]
+    u = jnp.matmul(inverse, beta[..., None] * v, precision=_HIGHEST)  # [n, B, H, C, Dv]
+    w = jnp.matmul(inverse, (beta * jnp.exp(g_cum))[..., None] * k, precision=_HIGHEST)  # [n, B, H, C, Dk]
     scores = jnp.where(causal, jnp.einsum("...id,...jd->...ij", q, k, precision=_HIGHEST) * decay, 0.0)
     q_decayed = q * jnp.exp(g_cum)[..., None]
     k_to_end = k * jnp.exp(g_cum[..., -1:] - g_cum)[..., None]
@@ -144,11 +169,12 @@ def chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, chunk_
 def choose_implementation(backend: str, n_tokens: int, final_only: bool) -> str:
     """The implementation `gated_delta_rule` runs for this backend ("cpu", "gpu", ...) and shape.
 
-    CPU threshold, measured on this project's shared 2-core machine (B=1, best of 10, noisy): at Hk=8, Hv=16,
-    Dk=Dv=128 the jnp chunked form (C=32) takes 8.7 ms at T=128 against 10.6 ms for `recurrent_scan`, and
-    36.9 ms against 37.5 ms at T=512; below T=128 the scan is faster (T=16: 1.5 ms against 3.1 ms). At the tiny
-    test shapes (Hv=4, Dk=Dv=16) the scan stays ahead (T=1024: 1.8 ms against 1.9 ms), but both are under
-    2 ms there. So CPU prefill chunks of 128 tokens or more take the chunked form.
+    CPU threshold, measured on this project's shared 2-core machine (B=1, final_only, median of 15, noisy):
+      Hk=8, Hv=16, Dk=Dv=128   T=16: scan 1.8 ms, chunked (C=32) 1.6 ms; T=32: 3.4 / 1.8; T=64: 5.9 / 4.0;
+                               T=128: 19 / 6.1; T=512: 42 / 26
+      Hk=2, Hv=4, Dk=Dv=16     T=16: 0.12 / 0.14; T=64: 0.18 / 0.37; T=256: 0.58 / 0.66; T=1024: 2.0 / 2.8
+    At real head sizes the chunked form wins from a few dozen tokens; at the tiny test shapes the scan stays
+    ahead by fractions of a millisecond. So CPU prefill chunks of 64 tokens or more take the chunked form.
     """
     if backend == "gpu":
         return "pallas_chunked" if final_only and n_tokens >= GPU_CHUNKED_MIN_TOKENS else "pallas_recurrent"

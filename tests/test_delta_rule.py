@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxmodel import delta_rule
-from jaxmodel.delta_rule import chunked_scan, choose_implementation, gated_delta_rule, recurrent_scan
+from jaxmodel.delta_rule import (chunked_scan, choose_implementation, gated_delta_rule, invert_unit_lower,
+                                 recurrent_scan)
 from jaxmodel.kernels.problems import random_inputs, random_problem
 from jaxmodel.kernels.reference import delta_rule_reference
 
@@ -90,6 +91,16 @@ def test_chunked_scan_matches_reference(n_tokens, dk, chunk_size):
     problem = random_problem(20 + n_tokens, n_tokens=n_tokens, dk=dk, dv=dk, final_only=True)
     outputs, pool = _chunked(*problem.args, chunk_size=chunk_size)
     check_against_reference(problem, outputs, pool, final_only=True)
+
+
+def test_invert_unit_lower_inverts_batched_unit_lower_triangular_matrices():
+    rng = np.random.default_rng(5)
+    a = np.tril(rng.normal(scale=0.5, size=(3, 2, 16, 16)), -1).astype(np.float32)
+    inverse = np.asarray(jax.jit(invert_unit_lower)(a))
+    np.testing.assert_allclose(inverse @ (np.eye(16) + a), np.broadcast_to(np.eye(16), a.shape), atol=1e-5)
+    np.testing.assert_array_equal(np.triu(inverse, 1), 0.0)
+    with pytest.raises(ValueError, match="power of two"):
+        invert_unit_lower(np.zeros((12, 12), np.float32))
 
 
 def test_choose_implementation():
