@@ -166,8 +166,8 @@ def bench_prefill(plan: Plan, key, batches, tokens, impls, section: str) -> list
 def make_plan(small: bool, repeats: int | None, dtype: str) -> Plan:
     """Qwen3-Next shapes (for a GPU), or tiny shapes and few repeats with --small."""
     if small:
-        return Plan(TINY, batches=(1, 2), decode_tokens=(1, 4, 8), prefill_tokens=(64, 128),
-                    crossover_tokens=(16, 64), crossover_batches=(1,), decode_impls=("pallas_recurrent", "scan"),
+        return Plan(TINY, batches=(2,), decode_tokens=(1, 4), prefill_tokens=(64,), crossover_tokens=(48,),
+                    crossover_batches=(1,), decode_impls=("pallas_recurrent", "scan"),
                     prefill_impls=("pallas_chunked", "chunked"),
                     crossover_impls=("pallas_recurrent", "pallas_chunked", "scan", "chunked"), dtype=dtype,
                     repeats=repeats or 2, inner=2)

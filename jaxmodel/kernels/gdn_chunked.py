@@ -150,9 +150,10 @@ def gdn_chunked(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, chunk: 
     ssm_pool:      [N, Hv, Dk, Dv]  float32 planes, updated in place (donate it under jit to avoid a copy)
     read_plane:    [B] int32        plane holding each row's input state
     write_planes:  [B, T] int32     at most one plane >= 0 per row: it receives the state after all T tokens
-    chunk:         C, tokens per chunk (>= 16, a power of two); T is padded to a multiple of C with identity
-                   tokens (g = beta = 0, q = k = v = 0)
-    block_v:       Dv columns per program (divides Dv; default min(Dv, 32)); Dk and block_v powers of two
+    chunk:         C, tokens per chunk (a power of two); T is padded to a multiple of C with identity tokens
+                   (g = beta = 0, q = k = v = 0)
+    block_v:       Dv columns per program (divides Dv; default min(Dv, 32)); Dk and block_v powers of two.
+                   On GPU C, Dk and block_v must be >= 16 (Triton's smallest matmul).
     precision:     of the in-kernel matmuls (HIGHEST: IEEE float32 on GPU)
     returns o [B, T, Hv, Dv] float32 (scaled by 1/sqrt(Dk)) and the pool [N, Hv, Dk, Dv].
     Reference: jaxmodel.kernels.reference.reference_pool_update(..., final_only=True).
