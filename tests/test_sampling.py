@@ -60,7 +60,7 @@ def test_greedy_all_none_partial_and_padding():
     n_drafts = jnp.asarray([3, 3, 3, 2], jnp.int32)  # row 3's third draft (6) would match but is padding
     params = SamplingParams.of(0.0, batch=4)
     positions = jnp.zeros(4, jnp.int32)
-    for probs in (None, jnp.full((4, 3, V), 1.0 / V)):  # deterministic drafts, then soft ones
+    for probs in (None, jnp.full((4, 3, V), 1.0 / V, jnp.float32)):  # deterministic drafts, then soft ones
         n_accepted, tokens = verify_jit(greedy_logits(argmaxes), drafts, probs, n_drafts, params, positions)
         assert n_accepted.tolist() == [3, 0, 2, 2]
         assert tokens.tolist() == [[3, 1, 4, 1], [3, -1, -1, -1], [3, 1, 4, -1], [5, 2, 6, -1]]
