@@ -1,0 +1,158 @@
+"""The engine end to end on the fixture models: the lossless invariant under concurrency for every drafter and
+rollback mode, budget accounting, cancellation."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+from conftest import DATA
+
+from drafters.policy import SpeculativeConfig
+from drafters.synthetic import SyntheticDrafter
+from jaxmodel import load_model
+from jaxmodel.tokenizer import load_tokenizer
+from scheduler.engine import Engine, GenerationRequest
+from scheduler.types import DoneEvent, TokensEvent
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(DATA / "tiny-qwen35-mtp.gguf")
+
+
+@pytest.fixture(scope="module")
+def draft():
+    # Same vocabulary, other weights: a draft model whose drafts are sometimes right.
+    return load_model(DATA / "tiny-qwen35-f16.gguf", load_mtp=False)
+
+
+def plain_greedy(model, prompt, n):
+    tokens = list(prompt)
+    for _ in range(n):
+        logits, _ = model.score(tokens)
+        tokens.append(int(logits[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    out = [tuple(int(t) for t in rng.integers(0, 509, n)) for n in (3, 9, 17, 33, 5, 21)]
+    out += [tuple([7, 8, 9, 10] * 5), tuple([100, 200, 300] * 7 + [100])]  # n-gram material
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    return {p: plain_greedy(target, p, MAX_TOKENS) for p in prompts}
+
+
+async def collect(engine, request):
+    tokens, done, n_from_drafts = [], None, 0
+    async for event in engine.generate(request):
+        if isinstance(event, TokensEvent):
+            tokens += event.token_ids
+            n_from_drafts += event.n_from_drafts
+        else:
+            done = event
+    return tokens, done, n_from_drafts
+
+
+def test_lossless_under_concurrency_for_every_drafter_and_mode(target, draft, prompts, references):
+    """24 sequences with different prompts, drafters (synthetic at acceptance 0, 0.5 and 1, n-gram, MTP, the draft
+    model, mixes) and forced modes join at different times under a budget small enough to force checkpoint mode
+    and queueing. Every sequence's greedy tokens equal its plain greedy decode alone."""
+    full = [list(p) + references[p] for p in prompts]
+    synthetic = {
+        f"synthetic{int(a * 100)}": SyntheticDrafter(full, alpha=a, vocab=target.cfg.n_vocab, seed=1)
+        for a in (0.0, 0.5, 1.0)
+    }
+    for name, drafter in synthetic.items():
+        drafter.name = name
+    drafter_sets = [None, ("synthetic100",), ("synthetic50",), ("synthetic0",), ("ngram",), ("mtp",),
+                    ("draft_model",), ("ngram", "mtp"), ("synthetic50", "draft_model")]  # fmt: skip
+    modes = ["auto", "snapshot", "checkpoint"]
+    jobs = []
+    for i in range(24):
+        prompt = prompts[i % len(prompts)]
+        drafters = drafter_sets[i % len(drafter_sets)]
+        spec = SpeculativeConfig(drafters, n_max=3 + i % 4) if drafters else None
+        jobs.append((i, prompt, GenerationRequest(prompt, MAX_TOKENS, speculative=spec, rollback=modes[i % 3])))
+    results = {}
+
+    async def main():
+        engine = Engine(target, draft_model=draft, extra_drafters=list(synthetic.values()), budget_bytes=700_000,
+                        max_running=6, max_model_len=64, chunk_size=16, token_budget=48, n_max=6,
+                        adaptive=False)  # fmt: skip
+        free = (engine.memory.free_pages, engine.memory.free_planes)
+        async with engine:
+            async def run(i, request, delay):
+                await anyio.sleep(delay)
+                results[i] = await collect(engine, request)
+
+            async with anyio.create_task_group() as tg:
+                for i, _, request in jobs:
+                    tg.start_soon(run, i, request, 0.02 * (i % 5))
+        assert (engine.memory.free_pages, engine.memory.free_planes) == free
+        return engine
+
+    engine = anyio.run(main)
+    modes_used = {"snapshot": 0, "checkpoint": 0}
+    accepted_total = 0
+    for i, prompt, request in jobs:
+        tokens, done, n_from_drafts = results[i]
+        assert tokens == references[prompt], f"job {i}: {request.speculative} {request.rollback}"
+        assert done.finish_reason == "length" and done.completion_tokens == MAX_TOKENS
+        for mode, steps in done.rollback_steps.items():
+            modes_used[mode] += steps
+        accepted_total += n_from_drafts
+        if request.rollback != "auto" and request.speculative:
+            other = "checkpoint" if request.rollback == "snapshot" else "snapshot"
+            assert done.rollback_steps.get(other, 0) == 0
+    assert modes_used["snapshot"] > 0 and modes_used["checkpoint"] > 0
+    assert accepted_total > 0
+    assert engine.steps > 0
+
+
+def test_cancel_mid_stream_frees_pages_and_planes(target, prompts):
+    async def main():
+        engine = Engine(target, budget_bytes=700_000, max_running=4, max_model_len=64)
+        free = (engine.memory.free_pages, engine.memory.free_planes)
+        async with engine:
+            seen = []
+            async for event in engine.generate(GenerationRequest(prompts[2], 40)):
+                seen.append(event)
+                if len(seen) == 3:
+                    break  # leaving the stream cancels the request
+            tokens, done, _ = await collect(engine, GenerationRequest(prompts[0], 4))
+            assert done.finish_reason == "length" and len(tokens) == 4
+        assert (engine.memory.free_pages, engine.memory.free_planes) == free
+        assert all(isinstance(e, TokensEvent) for e in seen)
+
+    anyio.run(main)
+
+
+def test_stop_strings_and_end_of_generation(target, prompts, references):
+    tokenizer = load_tokenizer(DATA / "tiny-qwen35-mtp.gguf")
+    prompt = prompts[1]
+    ref_text = tokenizer.decode(references[prompt])
+    stop = ref_text[len(ref_text) // 2 : len(ref_text) // 2 + 3]
+
+    async def main():
+        async with Engine(target, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64) as e:
+            texts = []
+            done = None
+            async for event in e.generate(GenerationRequest(prompt, MAX_TOKENS, stop=(stop,))):
+                if isinstance(event, TokensEvent):
+                    texts.append(event.text)
+                else:
+                    done = event
+            return "".join(texts), done
+
+    text, done = anyio.run(main)
+    assert done.finish_reason == "stop"
+    assert text == ref_text[: ref_text.index(stop)]
+    assert isinstance(done, DoneEvent)
