@@ -51,7 +51,6 @@ class _Sequence:
 
     request: Request
     detokenizer: Detokenizer
-    arrival: int
     tokens: list[int] = field(default_factory=list)  # committed: prompt + output
     n_computed: int = 0  # tokens whose KV and GDN state are in pages / the live plane
     live_plane: int = 0  # 0 = the null plane (nothing computed)
@@ -118,7 +117,6 @@ class Scheduler:
         self._seqs: dict[SeqId, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        self._n_arrived = 0
         self._n_admitted = 0
         self._step = 0
         self._in_flight: StepPlan | None = None
@@ -165,9 +163,7 @@ class Scheduler:
         if len(request.prompt) >= self.max_model_len:
             raise ValueError(f"prompt of {len(request.prompt)} tokens leaves no room in {self.max_model_len} "
                              "positions")
-        seq = _Sequence(request=request, detokenizer=self._detokenizer(), arrival=self._n_arrived,
-                        tokens=list(request.prompt))
-        self._n_arrived += 1
+        seq = _Sequence(request=request, detokenizer=self._detokenizer(), tokens=list(request.prompt))
         self._seqs[request.seq_id] = seq
         self._waiting.append(seq)
 
