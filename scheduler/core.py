@@ -45,13 +45,12 @@ PLANES_PER_SEQUENCE = 2
 ACCEPTANCE_DECAY = 0.8  # weight of the past in a sequence's acceptance estimate
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
-    """Mutable bookkeeping of one request, private to the scheduler."""
+    """Mutable bookkeeping of one request, private to the scheduler (compared by identity)."""
 
     request: Request
     detokenizer: Detokenizer
-    arrival: int
     tokens: list[int] = field(default_factory=list)  # committed: prompt + output
     n_computed: int = 0  # tokens whose KV and GDN state are in pages / the live plane
     live_plane: int = 0  # 0 = the null plane (nothing computed)
@@ -69,6 +68,10 @@ class _Sequence:
     rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0})
 
     @property
+    def running(self) -> bool:
+        return self.admitted >= 0
+
+    @property
     def to_compute(self) -> int:
         return len(self.tokens) - self.n_computed
 
@@ -78,7 +81,7 @@ class _Sequence:
         return (self.accepted_ewma + 1.0) / (self.accepted_ewma + self.rejected_ewma + 2.0)
 
 
-@dataclass
+@dataclass(eq=False)
 class _RowSpec:
     seq: _Sequence
     n_feed: int
@@ -114,7 +117,6 @@ class Scheduler:
         self._seqs: dict[SeqId, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        self._n_arrived = 0
         self._n_admitted = 0
         self._step = 0
         self._in_flight: StepPlan | None = None
@@ -161,9 +163,7 @@ class Scheduler:
         if len(request.prompt) >= self.max_model_len:
             raise ValueError(f"prompt of {len(request.prompt)} tokens leaves no room in {self.max_model_len} "
                              "positions")
-        seq = _Sequence(request=request, detokenizer=self._detokenizer(), arrival=self._n_arrived,
-                        tokens=list(request.prompt))
-        self._n_arrived += 1
+        seq = _Sequence(request=request, detokenizer=self._detokenizer(), tokens=list(request.prompt))
         self._seqs[request.seq_id] = seq
         self._waiting.append(seq)
 
@@ -195,17 +195,17 @@ class Scheduler:
 
         order = sorted(self._running, key=lambda s: (s.last_served, s.to_compute > 1, s.admitted))
         for seq in order:
-            if seq not in self._running or budget == 0:
+            if not seq.running or budget == 0:
                 continue
             n_feed = min(seq.to_compute, self.chunk_size, budget)
             need = pages_for(seq.n_computed + n_feed, self.memory.page_size) - len(seq.pages)
-            while need > self.memory.free_pages and seq in self._running:
+            while need > self.memory.free_pages and seq.running:
                 victim = max(self._running, key=lambda s: s.admitted)
                 for spec in [s for s in specs if s.seq is victim]:
                     specs.remove(spec)
                     budget += spec.n_feed
                 self._preempt(victim)
-            if seq not in self._running:
+            if not seq.running:
                 continue
             seq.pages += self.memory.take_pages(max(0, need))
             specs.append(_RowSpec(seq, n_feed))
@@ -394,7 +394,7 @@ class Scheduler:
 
     def _finish(self, seq: _Sequence, reason: FinishReason) -> DoneEvent:
         self._release(seq)
-        if seq in self._running:
+        if seq.running:
             self._running.remove(seq)
         elif seq in self._waiting:
             self._waiting.remove(seq)

@@ -65,7 +65,8 @@ class Request:
         if self.n_max < 0:
             raise ValueError(f"request {self.seq_id!r}: n_max must be >= 0, got {self.n_max}")
         if self.rollback not in PREFERENCES:
-            raise ValueError(f"request {self.seq_id!r}: rollback must be one of {PREFERENCES}, got {self.rollback!r}")
+            raise ValueError(f"request {self.seq_id!r}: rollback must be one of {PREFERENCES}, "
+                             f"got {self.rollback!r}")
         if any(not s for s in self.stop_strings):
             raise ValueError(f"request {self.seq_id!r}: empty stop string")
 
@@ -108,11 +109,6 @@ class Row:
     def positions(self) -> tuple[int, ...]:
         """[n] consecutive positions of `tokens`."""
         return tuple(range(self.start, self.start + len(self.fed) + len(self.drafts)))
-
-    @property
-    def n_pending(self) -> int:
-        """Replayed tokens before `last` (the whole chunk for an intermediate chunk)."""
-        return len(self.fed) - 1 if self.needs_logits else len(self.fed)
 
     @property
     def write_planes(self) -> tuple[int, ...]:

@@ -301,7 +301,7 @@ def test_auto_uses_both_modes_and_preempts():
     assert run.waiting_seen > 0
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), n=st.integers(16, 22), page_size=st.sampled_from([2, 4, 8]),
        extra_pages=st.integers(0, 24), n_planes=st.integers(3, 24), token_budget=st.integers(6, 40),
        max_running=st.integers(1, 8), chunk_size=st.sampled_from([None, 1, 3, 8]))
@@ -377,6 +377,15 @@ def test_admission_waits_for_planes_and_max_running():
     sched2.add(Request("a", (1,), max_tokens=3))
     sched2.add(Request("b", (1,), max_tokens=3))
     assert [r.seq_id for r in sched2.schedule().rows] == ["a"]
+
+
+def test_admission_leaves_a_page_per_running_sequence():
+    sched = make_scheduler(n_pages=5, page_size=4, max_model_len=16, token_budget=16)
+    sched.add(Request("a", (1,), max_tokens=4))
+    plan = sched.schedule()
+    sched.update(plan, verify_greedy(plan, FakeModel(4).run(plan, {"a": (1,)})))
+    sched.add(Request("b", tuple(range(1, 13)), max_tokens=4))  # 3 pages; 3 free, "a" may need one
+    assert [r.seq_id for r in sched.schedule().rows] == ["a"] and sched.n_waiting == 1
 
 
 def test_preemption_takes_the_youngest_and_loses_nothing():
@@ -496,8 +505,8 @@ def test_max_tokens_cuts_accepted_drafts(n_max):
     ids, _, done = outputs(run, "s")
     assert (ids, done.finish_reason, done.completion_tokens) == ([8] * 5, "length", 5)
     for plan in run.plans:
-        for row in plan.rows:  # drafts never reach past the last token max_tokens allows
-            assert row.start + len(row.fed) + row.draft_max <= 1 + 5
+        for row in plan.rows:  # the 5th output token (position 5) is committed, never fed
+            assert row.start + len(row.fed) + row.draft_max <= 5
     assert n_max == 0 or sum(e.n_from_drafts for e in run.events["s"][:-1]) > 0
 
 
