@@ -1,9 +1,205 @@
-"""`gdnspec` command line: make-random, bench."""
+"""`gdnspec` command line: serve, generate, loadtest, bench, make-random."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import signal
 import sys
+import time
+
+
+def _model_paths(args) -> tuple[str, str | None]:
+    """The --model/--draft-model paths, or the bundled models when --model is not given."""
+    if args.model:
+        return args.model, args.draft_model
+    try:
+        from jaxmodel.assets import default_draft_path, default_model_path
+    except ImportError:
+        raise SystemExit("no --model given and this installation has no bundled model; pass --model PATH") from None
+    return str(default_model_path()), args.draft_model or str(default_draft_path())
+
+
+def _build_engine(args):
+    from drafters.draft_model import check_same_vocab
+    from jaxmodel import load_model
+    from jaxmodel.tokenizer import load_tokenizer
+    from scheduler.engine import Engine
+
+    model_path, draft_path = _model_paths(args)
+    model = load_model(model_path)
+    tokenizer = load_tokenizer(model_path)
+    draft = None
+    if draft_path:
+        check_same_vocab(model_path, draft_path)
+        draft = load_model(draft_path, load_mtp=False)
+    engine = Engine(
+        model, tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
+        max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
+        adaptive=not args.fixed_policy,
+    )  # fmt: skip
+    return engine, tokenizer
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target GGUF (default: the bundled model)")
+    p.add_argument("--draft-model", help="a small GGUF of the same vocabulary, for the draft_model drafter")
+    p.add_argument("--budget-mb", type=float, default=256, help="KV pages + GDN planes of the target")
+    p.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
+    p.add_argument("--max-model-len", type=int, default=2048, help="positions per sequence")
+    p.add_argument("--max-n-max", type=int, default=16, help="longest draft any request may ask for")
+    p.add_argument("--fixed-policy", action="store_true",
+                   help="draft with each request's drafters in order at n_max instead of the adaptive policy")
+
+
+def _policy_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafters", help="comma-separated, in order of preference; 'none' for plain decoding")
+    p.add_argument("--n-max", type=int)
+    p.add_argument("--n-min", type=int)
+    p.add_argument("--p-min", type=float)
+    p.add_argument("--rollback", choices=["auto", "snapshot", "checkpoint"])
+
+
+def _speculative(args):
+    from api.protocol import UNSET, Speculative
+
+    if args.drafters == "none":
+        return None
+    fields = dict(drafters=args.drafters.split(",") if args.drafters else None, n_max=args.n_max,
+                  n_min=args.n_min, p_min=args.p_min, rollback=args.rollback)  # fmt: skip
+    if all(v is None for v in fields.values()):
+        return UNSET
+    return Speculative(**fields)
+
+
+def _serve(args) -> int:
+    import anyio
+
+    from api.protocol import Defaults, Limits, ServerSettings
+    from api.server import Server, run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    engine, tokenizer = _build_engine(args)
+    known = tuple(name for name in engine.drafters if name != "synthetic")
+    drafters = tuple(d for d in args.default_drafters.split(",") if d) if args.default_drafters != "none" else ()
+    missing = [d for d in drafters if d not in known]
+    if missing:
+        raise SystemExit(f"--default-drafters {missing} not available (this model offers {', '.join(known)})")
+    settings = ServerSettings(
+        defaults=Defaults(drafters=drafters, max_tokens=args.default_max_tokens, n_max=min(4, args.max_n_max)),
+        limits=Limits(max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len,
+                      max_n_max=args.max_n_max, known_drafters=known, vocab_size=engine.model.cfg.n_vocab),
+    )  # fmt: skip
+    start = time.perf_counter()
+    engine.warmup()
+    logging.getLogger("gdnspec").info("warm-up compiled the common step shapes in %.1f s", time.perf_counter() - start)
+    server = Server(engine, tokenizer, settings)
+
+    async def main():
+        shutdown = anyio.Event()
+        async with engine, anyio.create_task_group() as tg:
+            async def on_signal():
+                with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for _ in signals:
+                        shutdown.set()
+                        return
+
+            tg.start_soon(on_signal)
+            await run_server(server, args.host, args.port, shutdown=shutdown)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    return 0
+
+
+def _generate(args) -> int:
+    import anyio
+
+    from api.client import Client
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise SystemExit("give exactly one of --prompt or --prompt-ids")
+    prompt_ids = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
+    speculative = _speculative(args)
+
+    async def over_client(url: str) -> dict:
+        async with Client(url) as client:
+            stream = await client.generate(args.prompt, prompt_ids=prompt_ids, max_tokens=args.max_tokens,
+                                           temperature=args.temperature, seed=args.seed, speculative=speculative)
+            token_ids, text, done = [], [], None
+            async for frame in stream:
+                if frame.__class__.__name__ == "Tokens":
+                    token_ids += frame.token_ids
+                    text.append(frame.text)
+                    if not args.json:
+                        print(frame.text, end="", flush=True)
+                else:
+                    done = frame
+            if not args.json:
+                print()
+            import msgspec
+
+            return {"token_ids": token_ids, "text": "".join(text), "finish_reason": done.finish_reason,
+                    "usage": msgspec.to_builtins(done.usage), "spec": msgspec.to_builtins(done.spec),
+                    "timings": msgspec.to_builtins(done.timings)}  # fmt: skip
+
+    async def in_process() -> dict:
+        from api.server import Server, run_server
+        from api.protocol import Defaults, Limits, ServerSettings
+
+        engine, tokenizer = _build_engine(args)
+        known = tuple(engine.drafters)
+        settings = ServerSettings(defaults=Defaults(drafters=()), limits=Limits(
+            max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len, known_drafters=known,
+            max_n_max=args.max_n_max, vocab_size=engine.model.cfg.n_vocab))  # fmt: skip
+        server = Server(engine, tokenizer, settings)
+        async with engine, anyio.create_task_group() as tg:
+            ready, shutdown, box = anyio.Event(), anyio.Event(), {}
+
+            def on_ready(port):
+                box["port"] = port
+                ready.set()
+
+            tg.start_soon(lambda: run_server(server, "127.0.0.1", 0, ready=on_ready, shutdown=shutdown))
+            await ready.wait()
+            result = await over_client(f"ws://127.0.0.1:{box['port']}")
+            shutdown.set()
+            return result
+
+    result = anyio.run(over_client, args.url) if args.url else anyio.run(in_process)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _loadtest(args) -> int:
+    import anyio
+
+    from api.loadtest import PROMPT_SETS, format_table, load_prompts, plot_throughput, run_loadtest
+
+    prompts = PROMPT_SETS[args.prompts] if args.prompts in PROMPT_SETS else load_prompts(args.prompts)
+    if (args.requests is None) == (args.duration is None):
+        args.requests = args.requests or 32
+        args.duration = None
+
+    def progress(record, finished):
+        total = args.requests or "?"
+        print(f"\r{finished}/{total} requests finished", end="", file=sys.stderr, flush=True)
+
+    result = anyio.run(lambda: run_loadtest(
+        args.url, concurrency=args.concurrency, prompts=prompts, requests=args.requests, duration=args.duration,
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, speculative=_speculative(args),
+        progress=progress))  # fmt: skip
+    print(file=sys.stderr)
+    summary = result.summary()
+    print(format_table(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary.to_json(vars(args) | {"command": "loadtest"}), f, indent=2, default=str)
+    if args.plot:
+        plot_throughput(result.records, args.plot)
+    return 0
 
 
 def _make_random(args) -> int:
@@ -21,6 +217,10 @@ def _bench(args) -> int:
         from bench.step import main as bench_step
 
         bench_step(args.rest)
+    elif args.what == "engine":
+        from bench.engine import main as bench_engine
+
+        bench_engine(args.rest)
     return 0
 
 
@@ -30,6 +230,40 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gdnspec", description="Speculative decoding for hybrid GDN models")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    p = sub.add_parser("serve", help="serve a model over websockets")
+    _engine_options(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--default-drafters", default="ngram,mtp", help="for requests that name none ('none': plain)")
+    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("generate", help="generate over a server (--url) or in-process (--model)")
+    _engine_options(p)
+    p.add_argument("--url", help="ws://host:port of a running server")
+    p.add_argument("--prompt")
+    p.add_argument("--prompt-ids", help="comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    _policy_options(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("loadtest", help="measure multi-sequence throughput against a server")
+    p.add_argument("--url", required=True)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--requests", type=int)
+    p.add_argument("--duration", type=float)
+    p.add_argument("--prompts", default="mixed", help="code, prose, mixed, or a JSONL file")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--seed", type=int)
+    _policy_options(p)
+    p.add_argument("--json", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG of throughput over time here")
+    p.set_defaults(func=_loadtest)
+
     p = sub.add_parser("make-random", help="write a random-weight qwen35 GGUF with real layer shapes")
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--dtype", choices=["f32", "f16", "bf16", "q8_0"], default="f32")
@@ -37,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.set_defaults(func=_make_random)
 
-    p = sub.add_parser("bench", help="benchmarks (bench step --model M [--out JSON])")
-    p.add_argument("what", choices=["step"])
+    p = sub.add_parser("bench", help="benchmarks: bench step --model M | bench engine --model M")
+    p.add_argument("what", choices=["step", "engine"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     return parser

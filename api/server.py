@@ -47,6 +47,16 @@ class _Outbound:
             raise SlowClient from None
 
 
+@dataclass(eq=False)
+class _Client:
+    """One connection: its protocol state, outbound frames and the cancel scopes of its running requests."""
+
+    ws: ServerConnection
+    outbound: _Outbound
+    requests: dict[str, anyio.CancelScope]
+    finished: dict[str, anyio.Event]
+
+
 class Server:
     """Serves an engine over websockets. `tokenizer` turns prompts and chat messages into ids."""
 
@@ -55,37 +65,53 @@ class Server:
         self.tokenizer = tokenizer
         self.settings = settings
         self.chat_template = tokenizer.chat_template if tokenizer is not None else None
+        self.clients: set[_Client] = set()
 
     async def handle(self, ws: ServerConnection) -> None:
-        connection = Connection(self.settings)
         send, receive = anyio.create_memory_object_stream(OUTBOUND_FRAMES)
-        outbound = _Outbound(send, connection)
-        requests: dict[str, anyio.CancelScope] = {}
+        client = _Client(ws, _Outbound(send, Connection(self.settings)), {}, {})
+        self.clients.add(client)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._writer, ws, receive)
-                await self._reader(ws, connection, outbound, requests, tg)
+                tg.start_soon(self._reader, client, tg)
+                await self._writer(ws, receive)  # ends when stop() closes the outbound stream
+                await ws.close(1001, "server shutting down")
                 tg.cancel_scope.cancel()
         except* SlowClient:
             log.warning("closing a slow client: %d frames waiting", OUTBOUND_FRAMES)
             await ws.close(1008, "client too slow to read its stream")
         except* websockets.ConnectionClosed:
             pass
+        finally:
+            self.clients.discard(client)
 
-    async def _writer(self, ws: ServerConnection, receive) -> None:
+    async def stop(self) -> None:
+        """Cancel every running request (each gets its done frame, finish_reason cancelled), let the frames go
+        out, then close every connection."""
+        for client in list(self.clients):
+            for scope in client.requests.values():
+                scope.cancel()
+        for client in list(self.clients):
+            for finished in list(client.finished.values()):
+                await finished.wait()
+            client.outbound.send.close()
+
+    @staticmethod
+    async def _writer(ws: ServerConnection, receive) -> None:
         async with receive:
             async for frame in receive:
                 await ws.send(frame, text=True)
 
-    async def _reader(self, ws, connection: Connection, outbound: _Outbound, requests, tg: TaskGroup) -> None:
+    async def _reader(self, client: _Client, tg: TaskGroup) -> None:
+        connection, outbound = client.outbound.connection, client.outbound
         try:
-            async for frame in ws:
+            async for frame in client.ws:
                 result = connection.receive(frame)
                 match result:
                     case Error():
                         outbound.put(result)
                     case Cancel(id=request_id):
-                        scope = requests.get(request_id)
+                        scope = client.requests.get(request_id)
                         if scope is not None:
                             scope.cancel()
                     case GenerateRequest():
@@ -94,14 +120,12 @@ class Server:
                             outbound.put(prepared)
                             connection.finish(result.id)
                         else:
-                            scope = anyio.CancelScope()
-                            requests[result.id] = scope
-                            tg.start_soon(self._run, result, prepared, scope, outbound, requests)
+                            client.requests[result.id] = anyio.CancelScope()
+                            client.finished[result.id] = anyio.Event()
+                            tg.start_soon(self._run, result, prepared, client)
         except websockets.ConnectionClosed:
             pass
-        finally:  # the client went away: its requests are cancelled with the task group
-            for scope in requests.values():
-                scope.cancel()
+        tg.cancel_scope.cancel()  # the client went away: its requests are cancelled with the task group
 
     def _prepare(self, request: GenerateRequest) -> GenerationRequest | Error:
         if request.prompt_ids is not None:
@@ -141,21 +165,24 @@ class Server:
             rollback=spec.rollback if spec is not None else "auto",
         )
 
-    async def _run(self, request: GenerateRequest, prepared: GenerationRequest, scope: anyio.CancelScope,
-                   outbound: _Outbound, requests) -> None:
+    async def _run(self, request: GenerateRequest, prepared: GenerationRequest, client: _Client) -> None:
         timing = RequestTiming()
         completion, done = 0, None
-        with scope:
+        outbound = client.outbound
+        with client.requests[request.id]:
             async for event in self.engine.generate(prepared, timing):
                 if isinstance(event, TokensEvent):
                     completion += len(event.token_ids)
                     outbound.put(Tokens(request.id, list(event.token_ids), event.text, event.n_from_drafts))
                 else:
                     done = event
-        requests.pop(request.id, None)
+        del client.requests[request.id]
         frame = self._done_frame(request.id, prepared, done, completion, timing)
-        outbound.put(frame)
-        outbound.connection.finish(request.id)
+        try:
+            outbound.put(frame)
+        finally:
+            outbound.connection.finish(request.id)
+            client.finished.pop(request.id).set()
         spec = frame.spec
         acceptance = ", ".join(f"{k} {v.accepted}/{v.drafted}" for k, v in spec.drafters.items()) or "none"
         log.info("request %s: %d+%d tokens, %s, accepted %s, snapshot %d / checkpoint %d steps, %.1f tokens/s",
@@ -195,4 +222,4 @@ async def run_server(server: Server, host: str, port: int, *, ready=None, shutdo
             await anyio.sleep(math.inf)
         else:
             await shutdown.wait()
-        ws_server.close(close_connections=False)
+        await server.stop()

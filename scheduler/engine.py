@@ -210,6 +210,24 @@ class Engine:
                         names[row.seq_id] = name
         return plan.with_drafts(drafts, names)
 
+    def warmup(self) -> None:
+        """Compile the common step shapes before serving: a full prompt chunk, then drafting steps with every
+        drafter, alone and with the batch full. Runs synchronously; call it before entering the engine."""
+        chunk = self.scheduler.chunk_size
+        speculative = SpeculativeConfig(tuple(self.drafters), n_max=min(4, self.n_max))
+        waves = [[chunk + 1], [3] * self.scheduler.max_running]
+        for wave_index, lengths in enumerate(waves):
+            for i, n in enumerate(lengths):
+                prompt = tuple((7 * i + j) % self.model.cfg.n_vocab for j in range(n))
+                params = _Params(Sampling(), speculative if wave_index else None, RequestTiming())
+                self.scheduler.add(Request(("warmup", wave_index, i), prompt, max_tokens=4, n_max=4, params=params))
+            saved, self.adaptive = self.adaptive, False
+            try:
+                while self.scheduler.has_work:
+                    self.step()
+            finally:
+                self.adaptive = saved
+
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():
             drafter.release(seq_id)

@@ -23,3 +23,16 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     return DATA / "tiny-qwen35-mtp.gguf"
+
+
+def plain_greedy(model, prompt_ids, n: int, stop_ids=frozenset()) -> list[int]:
+    """The reference every speculative path must reproduce: greedy decoding by rescoring the whole sequence,
+    stopping before an end-of-generation id."""
+    tokens = list(prompt_ids)
+    for _ in range(n):
+        logits, _ = model.score(tokens)
+        token = int(logits[-1].argmax())
+        if token in stop_ids:
+            break
+        tokens.append(token)
+    return tokens[len(prompt_ids) :]

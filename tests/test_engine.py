@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
-from conftest import DATA
+from conftest import DATA, plain_greedy
 
 from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
@@ -27,14 +27,6 @@ def target():
 def draft():
     # Same vocabulary, other weights: a draft model whose drafts are sometimes right.
     return load_model(DATA / "tiny-qwen35-f16.gguf", load_mtp=False)
-
-
-def plain_greedy(model, prompt, n):
-    tokens = list(prompt)
-    for _ in range(n):
-        logits, _ = model.score(tokens)
-        tokens.append(int(logits[-1].argmax()))
-    return tokens[len(prompt) :]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,199 @@
+"""The websocket server over a real loopback socket, with the real client."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import anyio
+import msgspec
+import pytest
+import websockets
+from conftest import DATA, plain_greedy
+from websockets.asyncio.client import connect
+
+from api.client import Client, RequestError
+from api.protocol import Defaults, Limits, ServerSettings, Speculative
+from api.server import Server, run_server
+from jaxmodel import load_model
+from jaxmodel.tokenizer import load_tokenizer
+from scheduler.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(DATA / "tiny-qwen35-mtp.gguf")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DATA / "tiny-qwen35-mtp.gguf")
+
+
+SETTINGS = ServerSettings(
+    defaults=Defaults(drafters=("ngram",), max_tokens=12, n_max=3),
+    limits=Limits(max_prompt_tokens=40, max_max_tokens=48, max_message_bytes=4096, max_in_flight=4,
+                  known_drafters=("ngram", "mtp"), vocab_size=512),
+)  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def serving(model, tokenizer, **engine_options):
+    engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64,
+                    **engine_options)  # fmt: skip
+    free = (engine.memory.free_pages, engine.memory.free_planes)
+    server = Server(engine, tokenizer, SETTINGS)
+    async with engine, anyio.create_task_group() as tg:
+        ready, shutdown, box = anyio.Event(), anyio.Event(), {}
+
+        def on_ready(port):
+            box["url"] = f"ws://127.0.0.1:{port}"
+            ready.set()
+
+        tg.start_soon(lambda: run_server(server, "127.0.0.1", 0, ready=on_ready, shutdown=shutdown))
+        await ready.wait()
+        yield box["url"], engine
+        shutdown.set()
+    engine.free_at_start = free
+
+
+def test_streaming_equals_plain_greedy_and_text_concatenates(model, tokenizer):
+    prompt = "def fib(n):"
+    ids = tokenizer.encode(prompt)
+    expected = plain_greedy(model, ids, 12, tokenizer.eog_ids)
+
+    async def main():
+        async with serving(model, tokenizer) as (url, engine):
+            async with Client(url) as client:
+                plain = await (await client.generate(prompt, max_tokens=12, speculative=None)).collect()
+                drafted = await (await client.generate(prompt, max_tokens=12, speculative=Speculative(
+                    drafters=["mtp"], n_max=3, rollback="snapshot"))).collect()
+                chunks = []
+                async for frame in await client.generate(prompt_ids=ids, max_tokens=12):
+                    chunks.append(frame)
+        return plain, drafted, chunks, engine
+
+    plain, drafted, chunks, engine = anyio.run(main)
+    assert list(plain.token_ids) == expected and list(drafted.token_ids) == expected
+    assert plain.text == tokenizer.decode(expected)
+    assert plain.finish_reason == ("length" if len(expected) == 12 else "stop")
+    streamed = [c for c in chunks if c.__class__.__name__ == "Tokens"]
+    assert [t for c in streamed for t in c.token_ids] == expected
+    assert "".join(c.text for c in streamed) == tokenizer.decode(expected)
+    assert plain.spec.drafters == {}  # plain decoding honoured
+    assert set(drafted.spec.drafters) <= {"mtp"}
+    assert (engine.memory.free_pages, engine.memory.free_planes) == engine.free_at_start
+
+
+def test_concurrent_requests_on_one_and_many_connections(model, tokenizer):
+    prompts = ["import os\n", "class A:", "for i in range(10):", "x = 1\ny = 2\n"]
+    expected = {p: plain_greedy(model, tokenizer.encode(p), 10, tokenizer.eog_ids) for p in prompts}
+
+    async def main():
+        results = {}
+        async with serving(model, tokenizer) as (url, engine):
+            async def on_one(client, key, prompt):
+                results[key] = await (await client.generate(prompt, max_tokens=10)).collect()
+
+            async with Client(url) as shared, anyio.create_task_group() as tg:
+                for i, p in enumerate(prompts):
+                    tg.start_soon(on_one, shared, ("shared", i), p)
+
+            async def own_connection(i, p):
+                async with Client(url) as own:
+                    await on_one(own, ("own", i), p)
+
+            async with anyio.create_task_group() as tg:
+                for i, p in enumerate(prompts):
+                    tg.start_soon(own_connection, i, p)
+        return results, engine
+
+    results, engine = anyio.run(main)
+    for (kind, i), result in results.items():
+        assert list(result.token_ids) == expected[prompts[i]], (kind, i)
+    assert (engine.memory.free_pages, engine.memory.free_planes) == engine.free_at_start
+
+
+def test_cancel_and_disconnect_mid_stream_free_the_sequence(model, tokenizer):
+    async def main():
+        async with serving(model, tokenizer) as (url, engine):
+            async with Client(url) as client:
+                stream = await client.generate("while True:", max_tokens=40, speculative=None)
+                frames = []
+                async for frame in stream:
+                    frames.append(frame)
+                    if len(frames) == 2:
+                        await stream.cancel()
+                done = frames[-1]
+            async with connect(url) as ws:  # a raw client that goes away mid-stream
+                await ws.send(json.dumps({"type": "generate", "id": "gone", "prompt": "abc", "max_tokens": 40}))
+                await ws.recv()
+            async with Client(url) as client:  # the server and engine carry on
+                after = await (await client.generate("abc", max_tokens=3)).collect()
+            while engine.scheduler.has_work:
+                await anyio.sleep(0.01)
+            return done, after, engine
+
+    done, after, engine = anyio.run(main)
+    assert done.finish_reason == "cancelled"
+    assert after.finish_reason == "length" and len(after.token_ids) == 3
+    assert (engine.memory.free_pages, engine.memory.free_planes) == engine.free_at_start
+
+
+BAD_FRAMES = [
+    ("not json", "bad_json"),
+    (json.dumps({"type": "generate", "id": "a", "prompt": 5}), "bad_message"),
+    (json.dumps({"type": "fly", "id": "a"}), "bad_message"),
+    (json.dumps({"type": "generate", "id": "b", "prompt": "x", "speculative": {"drafters": ["telepathy"]}}),
+     "unknown_drafter"),
+    (json.dumps({"type": "generate", "id": "c", "prompt": "x", "max_tokens": -3}), "bad_message"),
+    (json.dumps({"type": "generate", "id": "d", "prompt": "x", "max_tokens": 10**9}), "bad_value"),
+    (json.dumps({"type": "generate", "id": "e", "prompt": "x" * 5000}), "message_too_large"),
+    (json.dumps({"type": "generate", "id": "f", "prompt_ids": list(range(45))}), "prompt_too_long"),
+    (json.dumps({"type": "generate", "id": "g", "prompt_ids": [600]}), "bad_value"),
+    (json.dumps({"type": "cancel", "id": "nobody"}), "unknown_id"),
+]
+
+
+def test_bad_input_gets_errors_while_the_connection_and_other_requests_continue(model, tokenizer):
+    async def main():
+        async with serving(model, tokenizer) as (url, engine):
+            async with connect(url) as ws:
+                await ws.send(json.dumps({"type": "generate", "id": "good", "prompt": "def f():", "max_tokens": 20,
+                                          "speculative": None}))  # fmt: skip
+                replies = []
+                for frame, _ in BAD_FRAMES:
+                    await ws.send(frame)
+                await ws.send(json.dumps({"type": "generate", "id": "good", "prompt": "again"}))  # duplicate id
+                good_tokens, done = [], None
+                errors = []
+                while done is None:
+                    message = json.loads(await ws.recv())
+                    if message["type"] == "error":
+                        errors.append(message)
+                    elif message["type"] == "tokens":
+                        good_tokens += message["token_ids"]
+                    elif message["type"] == "done":
+                        done = message
+            return errors, good_tokens, done
+
+    errors, good_tokens, done = anyio.run(main)
+    codes = [e["code"] for e in errors]
+    for _, code in BAD_FRAMES:
+        assert code in codes, (code, errors)
+    assert "duplicate_id" in codes
+    assert all(e["message"] for e in errors)
+    assert done["id"] == "good" and done["finish_reason"] in ("length", "stop")
+    assert good_tokens == plain_greedy(model, tokenizer.encode("def f():"), 20, tokenizer.eog_ids)
+
+
+def test_client_raises_on_error_frames(model, tokenizer):
+    async def main():
+        async with serving(model, tokenizer) as (url, _):
+            async with Client(url) as client:
+                with pytest.raises(RequestError) as info:
+                    await (await client.generate("x", speculative=Speculative(drafters=["telepathy"]))).collect()
+                return info.value
+
+    error = anyio.run(main)
+    assert error.code == "unknown_drafter"
