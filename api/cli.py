@@ -87,7 +87,8 @@ def _serve(args) -> int:
     if missing:
         raise SystemExit(f"--default-drafters {missing} not available (this model offers {', '.join(known)})")
     settings = ServerSettings(
-        defaults=Defaults(drafters=drafters, max_tokens=args.default_max_tokens, n_max=min(4, args.max_n_max)),
+        defaults=Defaults(drafters=drafters, max_tokens=min(args.default_max_tokens, args.max_model_len),
+                          n_max=min(4, args.max_n_max)),
         limits=Limits(max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len,
                       max_n_max=args.max_n_max, known_drafters=known, vocab_size=engine.model.cfg.n_vocab),
     )  # fmt: skip
@@ -150,7 +151,7 @@ def _generate(args) -> int:
 
         engine, tokenizer = _build_engine(args)
         known = tuple(engine.drafters)
-        settings = ServerSettings(defaults=Defaults(drafters=()), limits=Limits(
+        settings = ServerSettings(defaults=Defaults(drafters=(), max_tokens=1), limits=Limits(
             max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len, known_drafters=known,
             max_n_max=args.max_n_max, vocab_size=engine.model.cfg.n_vocab))  # fmt: skip
         server = Server(engine, tokenizer, settings)

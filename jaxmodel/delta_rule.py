@@ -21,6 +21,9 @@ CPU_CHUNKED_MIN_TOKENS = 64
 # On GPU the chunked kernel takes prefill chunks from this many tokens; an estimate until measured
 # with bench/gdn_kernels.py (its crossover section).
 GPU_CHUNKED_MIN_TOKENS = 64
+# Up to this many tokens `recurrent_scan` returns every token's state and scatters once (no pool copy);
+# longer non-final steps carry the pool through the loop instead of holding T states.
+SCAN_STATES_MAX_TOKENS = 16
 # Chunk of the jnp chunked form; on CPU 32 beat 16 and 64 at Dk = Dv = 128.
 CHUNK_SIZE = 32
 
@@ -45,26 +48,42 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
     returns o [B, T, Hv, Dv] (scaled by 1/sqrt(Dk)) and the updated pool.
     """
     n_planes, n_value_heads, dk, _ = ssm_pool.shape
+    B, T = write_planes.shape
     q = tile_key_heads(q, n_value_heads) * (dk**-0.5)
     k = tile_key_heads(k, n_value_heads)
     # Rows that write nothing at a token scatter past the end of the pool, where the update is dropped.
     targets = jnp.where(write_planes < 0, n_planes, write_planes)  # [B, T]
     state = ssm_pool[read_plane].astype(jnp.float32)  # [B, Hv, Dk, Dv]
 
-    def step(carry, xs):
-        state, pool = carry
-        q_t, k_t, v_t, g_t, beta_t, target_t = xs  # [B, Hv, Dk] x2, [B, Hv, Dv], [B, Hv] x2, [B]
+    def advance(state, q_t, k_t, v_t, g_t, beta_t):  # [B, Hv, Dk, Dv], [B, Hv, Dk] x2, [B, Hv, Dv], [B, Hv] x2
         state = state * jnp.exp(g_t)[..., None, None]
         recalled = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=_HIGHEST)
         delta = beta_t[..., None] * (v_t - recalled)
         state = state + k_t[..., :, None] * delta[..., None, :]
-        out = jnp.einsum("bhkv,bhk->bhv", state, q_t, precision=_HIGHEST)
+        return state, jnp.einsum("bhkv,bhk->bhv", state, q_t, precision=_HIGHEST)
+
+    time_major = lambda x: jnp.moveaxis(x, 1, 0)
+    xs = tuple(map(time_major, (q, k, v, g, beta)))
+    if T <= SCAN_STATES_MAX_TOKENS:
+        # Emit every token's state and scatter once: XLA copies a pool carried through a loop (twice per
+        # layer and step), which for a server-sized pool costs far more than T states.
+        def emit(state, xs_t):
+            state, out = advance(state, *xs_t)
+            return state, (out, state)
+
+        _, (out, states) = jax.lax.scan(emit, state, xs)  # states [T, B, Hv, Dk, Dv]
+        flat_states = jnp.swapaxes(states, 0, 1).reshape((B * T,) + states.shape[2:])
+        pool = ssm_pool.at[targets.reshape(B * T)].set(flat_states.astype(ssm_pool.dtype), mode="drop")
+        return time_major(out), pool
+
+    def step(carry, xs_t):
+        state, pool = carry
+        *inputs, target_t = xs_t
+        state, out = advance(state, *inputs)
         pool = pool.at[target_t].set(state.astype(pool.dtype), mode="drop")
         return (state, pool), out
 
-    time_major = lambda x: jnp.moveaxis(x, 1, 0)
-    xs = tuple(map(time_major, (q, k, v, g, beta, targets)))
-    (_, pool), out = jax.lax.scan(step, (state, ssm_pool), xs)
+    (_, pool), out = jax.lax.scan(step, (state, ssm_pool), xs + (time_major(targets),))
     return time_major(out), pool
 
 
