@@ -142,7 +142,7 @@ class Model:
         pages = list(range(1, bucket(-(-T // page_size)) + 1))
         state = self.new_state(n_pages=len(pages) + 1, n_planes=1, page_size=page_size)
         batch = pack_batch([Row(token_ids, 0, pages, 0, [-1] * T, range(T))])
-        h = np.zeros((1, batch.tokens.shape[1], self.cfg.n_embd), np.float32)
+        h = np.zeros(batch.tokens.shape + (self.cfg.n_embd,), np.float32)
         h[0, :T] = hidden_in
         out, _ = self.mtp_step(self.weights, batch=batch, hidden_in=h, state=state)
         return np.asarray(out.logits[0, :T]), np.asarray(out.hidden[0, :T])
