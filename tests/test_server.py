@@ -197,3 +197,22 @@ def test_client_raises_on_error_frames(model, tokenizer):
 
     error = anyio.run(main)
     assert error.code == "unknown_drafter"
+
+
+def test_loadtest_against_the_server(model, tokenizer, tmp_path):
+    from api.loadtest import Prompt, plot_throughput, run_loadtest
+
+    prompts = [Prompt(text="def f(x):"), Prompt(text="import re\n"), Prompt(text="a = [1, 2, 3]")]
+
+    async def main():
+        async with serving(model, tokenizer) as (url, engine):
+            return await run_loadtest(url, concurrency=3, prompts=prompts, requests=6, max_tokens=8,
+                                      speculative=Speculative(drafters=["mtp", "ngram"], n_max=3))
+
+    result = anyio.run(main)
+    summary = result.summary().to_json()
+    assert summary["requests_ok"] == 6 and summary["errors"] == 0
+    assert summary["tokens_per_s"] > 0 and summary["ttft_ms"]["p50"] > 0
+    assert set(summary["acceptance"]) <= {"mtp", "ngram"}
+    plot_throughput(result.records, tmp_path / "throughput.png")
+    assert (tmp_path / "throughput.png").stat().st_size > 0
