@@ -216,3 +216,36 @@ def test_loadtest_against_the_server(model, tokenizer, tmp_path):
     assert set(summary["acceptance"]) <= {"mtp", "ngram"}
     plot_throughput(result.records, tmp_path / "throughput.png")
     assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_shutdown_ends_in_flight_requests_with_cancelled(model, tokenizer):
+    """What Ctrl-C does: every running request gets its done frame (cancelled), then the connection closes."""
+
+    async def main():
+        engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64)
+        server = Server(engine, tokenizer, SETTINGS)
+        async with engine, anyio.create_task_group() as tg:
+            ready, shutdown, box = anyio.Event(), anyio.Event(), {}
+
+            def on_ready(port):
+                box["port"] = port
+                ready.set()
+
+            tg.start_soon(lambda: run_server(server, "127.0.0.1", 0, ready=on_ready, shutdown=shutdown))
+            await ready.wait()
+            async with connect(f"ws://127.0.0.1:{box['port']}") as ws:
+                for i in range(2):
+                    await ws.send(json.dumps({"type": "generate", "id": f"r{i}", "prompt_ids": [1, 2, 3],
+                                              "max_tokens": 48, "speculative": None}))  # fmt: skip
+                frames = [json.loads(await ws.recv())]
+                shutdown.set()
+                with pytest.raises(websockets.ConnectionClosed) as closed:
+                    while True:
+                        frames.append(json.loads(await ws.recv()))
+        return frames, closed.value
+
+    frames, closed = anyio.run(main)
+    done = {f["id"]: f for f in frames if f["type"] == "done"}
+    assert set(done) == {"r0", "r1"}
+    assert all(f["finish_reason"] == "cancelled" for f in done.values())
+    assert closed.rcvd.code == 1001
