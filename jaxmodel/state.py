@@ -106,10 +106,10 @@ def pack_batch(rows: Sequence[Row], *, B: int | None = None, T: int | None = Non
                R: int | None = None) -> StepBatch:
     """Pad rows into a bucketed StepBatch of numpy arrays. Missing rows are padding rows (n_tokens = 0).
 
-    B is at least 2: with a single row XLA turns the plane read into a slice fused into several consumers and
-    then copies every plane pool twice per step to keep it readable; a padding row costs far less.
+    A single row stays a batch of 1: XLA's CPU matmul of 2 rows costs over twice that of one, more than the
+    plane-pool copy XLA inserts for a one-row, one-token step.
     """
-    B = B or bucket(len(rows), minimum=2)
+    B = B or bucket(len(rows))
     T = T or bucket(max(len(r.tokens) for r in rows))
     P = P or bucket(max(len(r.pages) for r in rows))
     R = R or bucket(max(max(len(r.logit_rows) for r in rows), 1))
