@@ -36,6 +36,17 @@ def tile_key_heads(x: jax.Array, n_value_heads: int) -> jax.Array:
     return jnp.tile(x, (1,) * (x.ndim - 2) + (n_value_heads // n_key_heads, 1))
 
 
+def read_planes(pool: jax.Array, planes: jax.Array) -> jax.Array:
+    """pool [N, ...] at planes [B] -> [B, ...].
+
+    A one-index gather becomes a slice that XLA fuses into several consumers; it then copies the whole pool
+    (twice) before updating it in place. Gathering the null plane beside it keeps the read a gather.
+    """
+    if planes.shape[0] == 1:
+        return pool[jnp.concatenate([planes, jnp.zeros_like(planes)])][:1]
+    return pool[planes]
+
+
 def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
     """Token-serial gated delta rule reading and writing state planes.
 
@@ -53,7 +64,7 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
     k = tile_key_heads(k, n_value_heads)
     # Rows that write nothing at a token scatter past the end of the pool, where the update is dropped.
     targets = jnp.where(write_planes < 0, n_planes, write_planes)  # [B, T]
-    state = ssm_pool[read_plane].astype(jnp.float32)  # [B, Hv, Dk, Dv]
+    state = read_planes(ssm_pool, read_plane).astype(jnp.float32)  # [B, Hv, Dk, Dv]
 
     def advance(state, q_t, k_t, v_t, g_t, beta_t):  # [B, Hv, Dk, Dv], [B, Hv, Dk] x2, [B, Hv, Dv], [B, Hv] x2
         state = state * jnp.exp(g_t)[..., None, None]
