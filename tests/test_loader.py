@@ -16,9 +16,9 @@ from jaxmodel.random_model import PRESETS, random_weights
 TINY = DATA / "tiny-qwen35-mtp.gguf"
 
 
-def rewrite(src, dst, *, arch=None, drop=(), tensors=None):
-    """Copy a GGUF, optionally renaming the architecture, dropping tensors, or replacing tensors with
-    (array, qtype) pairs (qtype None for plain numpy arrays)."""
+def rewrite(src, dst, *, arch=None, drop=(), tensors=None, add=None):
+    """Copy a GGUF, optionally renaming the architecture, dropping tensors, replacing tensors with
+    (array, qtype) pairs (qtype None for plain numpy arrays), or adding plain tensors."""
     reader = GGUFReader(src)
     old_arch = reader.fields["general.architecture"].contents()
     new_arch = arch or old_arch
@@ -40,6 +40,8 @@ def rewrite(src, dst, *, arch=None, drop=(), tensors=None):
                 writer.add_tensor(t.name, array, raw_dtype=qtype)  # array holds the blocks' bytes
         else:
             writer.add_tensor(t.name, np.asarray(t.data))
+    for name, array in (add or {}).items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -158,3 +160,19 @@ def test_model_from_random_preset_runs(tmp_path):
     logits, hidden = model.score([1, 2, 3])
     assert logits.shape == (3, cfg.n_vocab) and hidden.shape == (3, cfg.n_embd)
     assert np.isfinite(logits).all()
+
+
+def test_fused_attention_qkv_and_tied_output_load_as_their_parts(tmp_path):
+    """attn_qkv = [Q_full | K | V] along the output rows, and a missing output.weight means the embedding."""
+    reader = GGUFReader(TINY)
+    tensor = {t.name: np.asarray(t.data) for t in reader.tensors}
+    fused = np.concatenate([tensor["blk.3.attn_q.weight"], tensor["blk.3.attn_k.weight"],
+                            tensor["blk.3.attn_v.weight"]])  # fmt: skip
+    qkv = {"blk.3.attn_q.weight", "blk.3.attn_k.weight", "blk.3.attn_v.weight"}
+    path = rewrite(TINY, tmp_path / "fused.gguf", drop=qkv | {"output.weight"}, add={"blk.3.attn_qkv.weight": fused})
+    _, loaded, _ = read_gguf(path)
+    _, original, _ = read_gguf(TINY)
+    attn, ref = loaded.layers[3].mixer, original.layers[3].mixer
+    for name in ("q", "k", "v"):
+        np.testing.assert_array_equal(getattr(attn, name), getattr(ref, name))
+    np.testing.assert_array_equal(loaded.output, original.embed.T)
