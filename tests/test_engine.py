@@ -6,6 +6,8 @@ from __future__ import annotations
 import anyio
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from conftest import DATA, plain_greedy
 
 from drafters.policy import SpeculativeConfig
@@ -148,3 +150,28 @@ def test_stop_strings_and_end_of_generation(target, prompts, references):
     assert done.finish_reason == "stop"
     assert text == ref_text[: ref_text.index(stop)]
     assert isinstance(done, DoneEvent)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    prompt=st.lists(st.integers(0, 508), min_size=1, max_size=12),
+    drafters=st.sampled_from([("synthetic",), ("ngram",), ("mtp",), ("draft_model",), ("synthetic", "mtp")]),
+    alpha=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
+    rollback=st.sampled_from(["auto", "snapshot", "checkpoint"]),
+    n_max=st.integers(1, 5),
+)
+def test_lossless_for_generated_prompts(target, draft, prompt, drafters, alpha, rollback, n_max):
+    expected = plain_greedy(target, prompt, 8)
+    synthetic = SyntheticDrafter([list(prompt) + expected], alpha=alpha, vocab=target.cfg.n_vocab, seed=len(prompt))
+    request = GenerationRequest(tuple(prompt), 8, speculative=SpeculativeConfig(drafters, n_max=n_max),
+                                rollback=rollback)  # fmt: skip
+
+    async def main():
+        engine = Engine(target, draft_model=draft, extra_drafters=[synthetic], budget_bytes=700_000,
+                        max_running=2, max_model_len=32, n_max=5, adaptive=False)  # fmt: skip
+        async with engine:
+            return await collect(engine, request)
+
+    tokens, done, _ = anyio.run(main)
+    assert tokens == expected
+    assert done.completion_tokens == 8
