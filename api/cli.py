@@ -21,6 +21,17 @@ def _model_paths(args) -> tuple[str, str | None]:
     return str(default_model_path()), args.draft_model or str(default_draft_path())
 
 
+def _use_compile_cache() -> None:
+    """Keep compiled steps on disk so that a restarted server skips most of its warm-up."""
+    import os
+
+    import jax
+
+    path = os.environ.get("GDNSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "gdnspec", "jax"))
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def _build_engine(args):
     from drafters.draft_model import check_same_vocab
     from jaxmodel import load_model
@@ -80,6 +91,7 @@ def _serve(args) -> int:
     from api.server import Server, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    _use_compile_cache()
     engine, tokenizer = _build_engine(args)
     known = tuple(name for name in engine.drafters if name != "synthetic")
     drafters = tuple(d for d in args.default_drafters.split(",") if d) if args.default_drafters != "none" else ()
@@ -93,8 +105,8 @@ def _serve(args) -> int:
                       max_n_max=args.max_n_max, known_drafters=known, vocab_size=engine.model.cfg.n_vocab),
     )  # fmt: skip
     start = time.perf_counter()
-    engine.warmup()
-    logging.getLogger("gdnspec").info("warm-up compiled the common step shapes in %.1f s", time.perf_counter() - start)
+    n_shapes = engine.warmup()
+    logging.getLogger("gdnspec").info("warm-up: %d step shapes ready in %.1f s", n_shapes, time.perf_counter() - start)
     server = Server(engine, tokenizer, settings)
 
     async def main():

@@ -43,6 +43,8 @@ class MtpDrafter:
         self.runner = runner
         self.pages_of = pages_of
         self.n_embd = runner.model.cfg.n_embd
+        # Catch-up rows, plus `last`, must fit the runner's longest row.
+        self.chunk = runner.shapes.max_tokens - 1 if runner.shapes is not None else CATCH_UP_CHUNK
         self.seqs: dict[SeqId, _MtpSequence] = {}
 
     def record(self, seq_id: SeqId, start: int, hidden: np.ndarray) -> None:
@@ -60,16 +62,16 @@ class MtpDrafter:
         live = [r for r in requests if r.n_max > 0 and self._ready(r)]
         # Catch up long backlogs in chunks, leaving at most one chunk for the drafting call.
         while True:
-            behind = [r for r in live if len(r.tokens) - 1 - self.seqs[r.seq_id].seen > CATCH_UP_CHUNK]
+            behind = [r for r in live if len(r.tokens) - 1 - self.seqs[r.seq_id].seen > self.chunk]
             if not behind:
                 break
             rows, hidden = [], []
             for r in behind:
                 seq = self.seqs[r.seq_id]
-                span = range(seq.seen, seq.seen + CATCH_UP_CHUNK)
+                span = range(seq.seen, seq.seen + self.chunk)
                 rows.append(Row([r.tokens[p] for p in span], seq.seen, self.pages_of(r.seq_id), 0, [-1] * len(span)))
                 hidden.append(np.stack([self._hidden_before(seq, p) for p in span]))
-                seq.seen += CATCH_UP_CHUNK
+                seq.seen += self.chunk
             self.runner.forward_mtp(rows, hidden)
         if not live:
             return [Draft(tokens=[]) for _ in requests]

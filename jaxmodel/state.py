@@ -84,10 +84,12 @@ def init_state(cfg: ModelConfig, n_pages: int, n_planes: int, page_size: int = 1
     )
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """The power of two >= max(n, minimum): batch, token and page-table sizes are bucketed so few shapes compile."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
+def bucket(n: int, minimum: int = 1, base: int = 2) -> int:
+    """The smallest power of `base` >= max(n, minimum): sizes are bucketed so that few shapes compile."""
+    n, size = max(n, minimum), 1
+    while size < n:
+        size *= base
+    return size
 
 
 @dataclass(frozen=True)

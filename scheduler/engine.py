@@ -28,8 +28,8 @@ from jaxmodel.model import Model
 from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
 
 from .core import Scheduler
-from .memory import MemoryManager, pool_sizes
-from .runner import Runner, Sampling, VerifyRow
+from .memory import MemoryManager, pages_for, pool_sizes
+from .runner import Runner, Sampling, Shapes, VerifyRow
 from .types import Committed, DoneEvent, Event, Request, StepPlan, TokensEvent
 
 
@@ -107,7 +107,13 @@ class Engine:
         )
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = Runner(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size)
+        shapes = Shapes(
+            max_rows=max_running,
+            max_tokens=chunk_size + n_max,  # a row feeds at most a chunk, then its drafts
+            max_logit_rows=1 + n_max,
+            pages_per_row=pages_for(max_model_len + n_max + 1, page_size),
+        )
+        self.runner = Runner(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size, shapes=shapes)
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(
@@ -210,23 +216,9 @@ class Engine:
                         names[row.seq_id] = name
         return plan.with_drafts(drafts, names)
 
-    def warmup(self) -> None:
-        """Compile the common step shapes before serving: a full prompt chunk, then drafting steps with every
-        drafter, alone and with the batch full. Runs synchronously; call it before entering the engine."""
-        chunk = self.scheduler.chunk_size
-        speculative = SpeculativeConfig(tuple(self.drafters), n_max=min(4, self.n_max))
-        waves = [[chunk + 1], [3] * self.scheduler.max_running]
-        for wave_index, lengths in enumerate(waves):
-            for i, n in enumerate(lengths):
-                prompt = tuple((7 * i + j) % self.model.cfg.n_vocab for j in range(n))
-                params = _Params(Sampling(), speculative if wave_index else None, RequestTiming())
-                self.scheduler.add(Request(("warmup", wave_index, i), prompt, max_tokens=4, n_max=4, params=params))
-            saved, self.adaptive = self.adaptive, False
-            try:
-                while self.scheduler.has_work:
-                    self.step()
-            finally:
-                self.adaptive = saved
+    def warmup(self) -> int:
+        """Compile every step shape this engine can run before serving; returns how many compiled."""
+        return self.runner.warmup()
 
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():

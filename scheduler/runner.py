@@ -6,15 +6,17 @@ Synchronous and single-threaded: the engine calls it from one worker thread at a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import jax
 import numpy as np
 
+from jaxmodel.delta_rule import CPU_CHUNKED_MIN_TOKENS
 from jaxmodel.model import Model
 from jaxmodel.sampling import SamplingParams, verify
-from jaxmodel.state import Row, StepOutput, pack_batch
+from jaxmodel.state import Row, StepOutput, bucket, pack_batch
 
 
 @dataclass(frozen=True)
@@ -43,23 +45,88 @@ class RowResult:
     hidden: np.ndarray  # [n_fed, E] the target's post-norm hidden of every fed token
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """Which padded shapes a runner compiles, kept few because each is a compile.
+
+    Rows and tokens per row are bucketed by powers of 4 (on CPU a matmul of 2 rows costs about what 4 do); every
+    row has the page table of a full-length sequence, so the page count adds no shapes. Logits come for every row
+    of a short step (T <= 16: verification wants them all), and for long steps (prompt chunks) either for one row
+    (a prefill-only step, which also takes the chunked GDN form) or for as many as a draft can need (prompt chunks
+    batched with decoding sequences).
+    """
+
+    max_rows: int  # sequences per step
+    max_tokens: int  # tokens per row (a prompt chunk, or replays + last + drafts)
+    max_logit_rows: int  # 1 + the longest draft
+    pages_per_row: int
+
+    def batch(self, n_rows: int) -> int:
+        return min(bucket(n_rows, base=4), bucket(self.max_rows, base=4))
+
+    def tokens(self, n_tokens: int) -> int:
+        return min(bucket(n_tokens, base=4), self.max_tokens)
+
+    def is_long(self, T: int) -> bool:
+        return T >= CPU_CHUNKED_MIN_TOKENS
+
+    def logit_rows(self, T: int, final_only: bool) -> int:
+        return 1 if final_only else min(T, bucket(self.max_logit_rows, base=4))
+
+    def grid(self):
+        """Every (B, T, R, final_only) a target step can take."""
+        Bs = sorted({self.batch(n) for n in range(1, self.max_rows + 1)})
+        Ts = sorted({self.tokens(n) for n in range(1, self.max_tokens + 1)})
+        for B, T in itertools.product(Bs, Ts):
+            for final_only in (False, True) if self.is_long(T) else (False,):
+                yield B, T, self.logit_rows(T, final_only), final_only
+
+
 class Runner:
     """Target model + device state. `n_pages`/`n_planes` include the trash page and the null plane."""
 
-    def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16):
+    def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16, shapes: Shapes | None = None):
         self.model = model
         self.page_size = page_size
+        self.shapes = shapes
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size)
         self._verify = jax.jit(verify)
 
-    def forward(self, rows: Sequence[Row], *, final_only: bool = False) -> StepOutput:
-        batch = pack_batch(rows)
+    def _pack(self, rows: Sequence[Row], prefill_only: bool):
+        """The padded batch, and whether it runs as final-only (long prefill-only steps)."""
+        if self.shapes is None:
+            return pack_batch(rows), prefill_only
+        T = self.shapes.tokens(max(len(r.tokens) for r in rows))
+        final_only = prefill_only and self.shapes.is_long(T)
+        R = self.shapes.logit_rows(T, final_only)
+        return pack_batch(rows, B=self.shapes.batch(len(rows)), T=T, P=self.shapes.pages_per_row, R=R), final_only
+
+    def forward(self, rows: Sequence[Row], *, prefill_only: bool = False) -> StepOutput:
+        """prefill_only: each row writes at most its final state and wants at most its last token's logits."""
+        batch, final_only = self._pack(rows, prefill_only)
         out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=final_only)
         return out
 
+    def warmup(self) -> int:
+        """Compile every step shape of `self.shapes` (and the MTP step's) with all-padding batches, which read the
+        null plane and write nothing. Returns how many shapes compiled."""
+        if self.shapes is None:
+            return 0
+        n = 0
+        for B, T, R, final_only in self.shapes.grid():
+            batch = pack_batch([], B=B, T=T, P=self.shapes.pages_per_row, R=R)
+            out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=final_only)
+            n += 1
+            if self.model.has_mtp and not final_only:
+                hidden = np.zeros((B, T, self.model.cfg.n_embd), np.float32)
+                out, self.state = self.model.mtp_step(self.model.weights, batch=batch, hidden_in=hidden, state=self.state)
+                n += 1
+        jax.block_until_ready(out.logits)
+        return n
+
     def forward_mtp(self, rows: Sequence[Row], hidden_in: Sequence[np.ndarray]) -> StepOutput:
         """MTP block over rows; hidden_in[b] is [len(rows[b].tokens), E]: h_{p-1} for each fed token."""
-        batch = pack_batch(rows)
+        batch, _ = self._pack(rows, prefill_only=False)
         B, T = batch.tokens.shape
         h = np.zeros((B, T, self.model.cfg.n_embd), np.float32)
         for b, rows_hidden in enumerate(hidden_in):
@@ -73,7 +140,7 @@ class Runner:
             list(r.row.logit_rows) in ([], [len(r.row.tokens) - 1]) and all(w < 0 for w in r.row.write_planes[:-1])
             for r in rows
         )
-        out = self.forward([r.row for r in rows], final_only=prefill_only)
+        out = self.forward([r.row for r in rows], prefill_only=prefill_only)
         B, R, V = out.logits.shape
         drafts = np.zeros((B, R - 1), np.int32)
         n_drafts = np.zeros((B,), np.int32)
