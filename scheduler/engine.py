@@ -135,6 +135,7 @@ class Engine:
         self.adaptive = adaptive
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
+        self._plan_pages: dict = {}  # seq id -> KV pages, for the step in progress (the MTP drafter reads them)
         self._inbox_send, self._inbox = anyio.create_memory_object_stream(math.inf)
         self.steps = 0
 
