@@ -47,6 +47,12 @@ async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:
             "tokens_per_s": total / wall, "per_seq_tokens_per_s": float(np.mean(per_seq))}  # fmt: skip
 
 
+def _save(results: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+
+
 def run(args) -> dict:
     model = load_model(args.model)
     rng = np.random.default_rng(0)
@@ -93,6 +99,7 @@ def run(args) -> dict:
                                     "tokens_per_s": result["tokens_per_s"],
                                     "per_seq_tokens_per_s": result["per_seq_tokens_per_s"],
                                     "speedup_vs_plain": speedup})  # fmt: skip
+                _save(out, args.out)  # a partial run still leaves its results
     return out
 
 
@@ -134,9 +141,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget-mb", type=float, default=1024)
     args = parser.parse_args(argv)
     results = run(args)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    _save(results, args.out)
     plot(results, os.path.splitext(args.out)[0] + ".png")
     return results
 
