@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .delta_rule import gated_delta_rule
+from .delta_rule import gated_delta_rule, read_planes
 from .layers import l2_norm, linear, rms_norm
 from .weights import GatedDeltaNet
 
@@ -39,7 +39,7 @@ def gdn_mixer(
     g = jnp.where(valid[..., None], jax.nn.softplus(linear(x, w.alpha) + w.dt_bias) * w.a, 0.0)
 
     # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first.
-    window = jnp.concatenate([conv_pool[read_plane], jnp.swapaxes(qkv, 1, 2)], axis=2)  # [B, C, Kc-1+T]
+    window = jnp.concatenate([read_planes(conv_pool, read_plane), jnp.swapaxes(qkv, 1, 2)], axis=2)  # [B, C, Kc-1+T]
     taps = jnp.stack([window[:, :, j : j + T] for j in range(Kc)], axis=-1)  # [B, C, T, Kc]
     conv = jax.nn.silu(jnp.einsum("bctk,ck->btc", taps, w.conv))  # [B, T, C]
 
