@@ -80,6 +80,7 @@ class MtpDrafter:
         rows, hidden = [], []
         for r in live:
             seq, n = self.seqs[r.seq_id], len(r.tokens) - 1
+            seq.seen = min(seq.seen, n)  # `last` is always fed: its logits are draft 1
             span = range(seq.seen, n + 1)
             rows.append(Row([r.tokens[p] for p in span], seq.seen, self.pages_of(r.seq_id), 0, [-1] * len(span),
                             [len(span) - 1]))  # fmt: skip
