@@ -30,8 +30,8 @@ def qwen35_config(
 MODELS: dict[str, ModelConfig] = {
     # 6 layers, every third full attention; Hk=2 < Hv=4 key heads exercise the tiled broadcast; one MTP block.
     "target": qwen35_config(
-        n_embd=256, recurrent=(True, True, False, True, True, False), n_mtp=1, n_head=4, n_head_kv=2,
-        head_dim=64, ssm_state=64, ssm_groups=2, ssm_heads=4, n_ff=512,
+        n_embd=192, recurrent=(True, True, False, True, True, False), n_mtp=1, n_head=4, n_head_kv=2,
+        head_dim=32, ssm_state=32, ssm_groups=2, ssm_heads=4, n_ff=512,
     ),
     # The draft model: 3 layers, no MTP.
     "draft": qwen35_config(
@@ -67,7 +67,7 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    "target": Recipe(steps=800, warmup=50),
+    "target": Recipe(steps=1000, batch=4, warmup=50),
     "draft": Recipe(steps=1200, warmup=50),
     "test": Recipe(steps=4, batch=2, seq_len=32, warmup=1, eval_every=2, eval_windows=2, final_eval_windows=4),
 }

@@ -83,7 +83,8 @@ def make_train_step(cfg: ModelConfig, recipe: Recipe, optimizer: optax.GradientT
         loss_fn = functools.partial(total_loss, cfg=cfg, mtp_weight=recipe.mtp_weight, mtp_chain=recipe.mtp_chain)
         (_, parts), grads = jax.value_and_grad(lambda p: loss_fn(p, tokens=tokens), has_aux=True)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, parts, optax.global_norm(grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree_util.tree_leaves(grads)))
+        return optax.apply_updates(params, updates), opt_state, parts, grad_norm
 
     return jax.jit(step, donate_argnums=(0, 1))
 
