@@ -1,0 +1,341 @@
+"""Drafter policy: per sequence and per step, which drafter proposes and how long a draft it makes.
+
+The rule
+--------
+Each request names an ordered list of drafters and bounds the draft length to [n_min, n_max].
+
+Acceptance. For every (sequence, drafter) the policy estimates alpha, the probability that a drafted token is
+accepted given that the ones before it were. A verified draft of d tokens with a accepted contributes a successes
+and, if a < d, one failure (the maximum-likelihood estimate of a geometric acceptance). Evidence ages by `decay` per
+step of the sequence, so the estimate follows recent behaviour; it starts from `prior_acceptance` with the weight of
+`prior_weight` token trials. Between observations the estimate stays where it was.
+
+Cost, measured by the engine. A target step verifying n tokens costs target(n) = fixed + per_token * n, and a
+proposal of d tokens costs proposal_i(d) = fixed_i + per_token_i * d; each line is fitted by discounted least
+squares to what the engine reports (`record_target`, `record_proposal`). Until something is reported, a target step
+costs 1, a verified token 1/16 of that (`target_token_prior`), and proposals nothing; while all measurements share one
+n, a small ridge prior splits the target's cost in that ratio. Sequences batched together share a step: with B of
+them each is charged fixed / B (for alike sequences, the per-sequence optimum is then the batch's optimum).
+
+Value. A draft of length d with per-token acceptance alpha yields E[accepted] = (1 - alpha^(d+1)) / (1 - alpha) - 1
+drafts plus the target's own token, so the expected tokens per unit of cost are
+
+    value_i(d) = (1 + E[accepted](alpha_i, d)) / (target(1 + d) + proposal_i(d)),
+
+and not drafting is worth 1 / target(1). For each drafter the length is the d in [n_min, n_max] with the highest
+value (value is unimodal in d: higher alpha or cheaper tokens lengthen the draft, lower alpha shortens it).
+
+Choice. Drafters are compared by the value at a pessimistic acceptance, alpha lowered by `confidence` standard
+errors of its estimate (sqrt(alpha (1 - alpha) / trials)), so a drafter must show enough evidence before it is
+trusted; not drafting is compared as it is. The sequence's main choice is the option of highest such value; on equal
+values the request's order wins, and not drafting comes last. To stay stable, the main choice changes only to an
+option worth more than (1 + switch_margin) times the current one, and never within `min_dwell` steps of the last
+change. Its draft length comes from the plain estimate. The plan lists the main choice first, then the other
+drafters worth more than not drafting by their plain estimate, best first: fallbacks for when the drafters before
+them have nothing to propose (an n-gram drafter without a match).
+
+Exploration. A drafter that is not the main choice goes first for one step (a probe) when it has not been tried for
+`probe_every` steps, or for `probe_soon` steps while its plain estimate is worth more than the main choice (it looks
+promising but has not shown enough evidence yet). A probe drafts the length the drafter would get at
+alpha = max(its estimate, prior_acceptance). Old evidence has aged by the time of a probe, so the probe's outcome
+weighs heavily: a drafter that turned good looks promising, is probed again soon and soon chosen; one that is still
+bad waits twice as long for its next probe, up to `probe_every_max` steps. Becoming the main choice resets the wait.
+
+The policy is plain Python and deterministic given its inputs; `plan_step` and `observe_draft` are pure functions
+over frozen state, and `DrafterPolicy` keeps that state per sequence for the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Hashable, Mapping
+
+SeqId = Hashable
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A request's drafting settings: drafters in order of preference, draft length bounds, p_min for drafters."""
+
+    drafters: tuple[str, ...]
+    n_max: int = 16
+    n_min: int = 1
+    p_min: float = 0.0
+
+    def __post_init__(self):
+        if not 1 <= self.n_min <= self.n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
+        if len(set(self.drafters)) != len(self.drafters):
+            raise ValueError(f"drafters repeat: {self.drafters}")
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """The policy's constants (see the module docstring for their roles)."""
+
+    prior_acceptance: float = 0.5
+    prior_weight: float = 2.0
+    decay: float = 0.95
+    switch_margin: float = 0.2
+    confidence: float = 1.0
+    min_dwell: int = 8
+    probe_every: int = 16
+    probe_soon: int = 2
+    probe_every_max: int = 128
+    cost_decay: float = 0.98
+    cost_ridge: float = 1.0
+    target_token_prior: float = 1.0 / 16  # a verified token costs this fraction of a step's fixed cost, until measured
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Draft with `drafter`, up to `n_draft` tokens; drafts shorter than the request's n_min are to be dropped."""
+
+    drafter: str
+    n_draft: int
+    probe: bool = False
+
+
+# --- acceptance and value -----------------------------------------------------------------------------------------
+
+def expected_accepted(alpha: float, length: int) -> float:
+    """Expected accepted drafts of a draft of `length` tokens, each accepted with prob alpha after the previous."""
+    if alpha >= 1.0:
+        return float(length)
+    return (1.0 - alpha ** (length + 1)) / (1.0 - alpha) - 1.0
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """seconds ~= fixed + per_token * n, fitted by discounted least squares with a small ridge on the slope.
+
+    The sums are weighted by age: each observation multiplies the earlier ones' weight by the decay.
+    """
+
+    w: float = 0.0
+    wn: float = 0.0
+    wnn: float = 0.0
+    ws: float = 0.0
+    wns: float = 0.0
+
+    def observed(self, n: float, seconds: float, decay: float) -> LinearCost:
+        """The fit after one more measurement of `seconds` for `n` tokens."""
+        return LinearCost(
+            w=decay * self.w + 1.0,
+            wn=decay * self.wn + n,
+            wnn=decay * self.wnn + n * n,
+            ws=decay * self.ws + seconds,
+            wns=decay * self.wns + n * seconds,
+        )
+
+    def coefficients(self, ridge: float, slope_prior: float, default: tuple[float, float]) -> tuple[float, float]:
+        """(fixed, per_token), both >= 0; `default` before any measurement.
+
+        The ridge pulls per_token towards slope_prior * fixed (a unit-free prior), which decides the split when
+        every measurement had the same n: minimises sum w (s - a - b n)^2 + ridge (b - slope_prior a)^2.
+        """
+        if self.w <= 0.0:
+            return default
+        r = slope_prior
+        aa, ab, bb = self.w + ridge * r * r, self.wn - ridge * r, self.wnn + ridge
+        det = aa * bb - ab * ab
+        fixed = (bb * self.ws - ab * self.wns) / det
+        per_token = (aa * self.wns - ab * self.ws) / det
+        if per_token < 0.0:
+            return self.ws / self.w, 0.0
+        if fixed < 0.0:
+            return 0.0, self.wns / self.wnn if self.wnn > 0 else 0.0
+        return fixed, per_token
+
+
+@dataclass(frozen=True)
+class Costs:
+    """The measured cost lines: the target's step and each drafter's proposal."""
+
+    target: LinearCost = LinearCost()
+    proposals: Mapping[str, LinearCost] = field(default_factory=dict)
+
+
+def best_length(
+    alpha: float, n_min: int, n_max: int, target: tuple[float, float], proposal: tuple[float, float]
+) -> tuple[int, float]:
+    """(d, value) maximising value(d) = (1 + expected_accepted(alpha, d)) / (target(1 + d) + proposal(d)).
+
+    target and proposal are (fixed, per_token) cost lines. value is unimodal in d, so the walk up from n_min stops
+    at the first d that does not improve.
+    """
+
+    def value(d: int) -> float:
+        cost = target[0] + target[1] * (1 + d) + proposal[0] + proposal[1] * d
+        return (1.0 + expected_accepted(alpha, d)) / cost
+
+    d, best = n_min, value(n_min)
+    while d < n_max:
+        better = value(d + 1)
+        if better <= best:
+            break
+        d, best = d + 1, better
+    return d, best
+
+
+# --- per-sequence state -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DrafterStats:
+    """One drafter's record for one sequence; counts are token trials, aged to step `observed_at`."""
+
+    successes: float = 0.0
+    trials: float = 0.0
+    observed_at: int = 0
+    tried_at: int = 0
+    probe_every: int = 0  # 0: not yet set, use the params' probe_every
+
+
+_UNSET = "<unset>"  # main choice before the first step; None means "no drafting"
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """The policy's memory of one sequence."""
+
+    step: int = 0
+    main: str | None = _UNSET
+    main_since: int = 0
+    stats: Mapping[str, DrafterStats] = field(default_factory=dict)
+
+
+def acceptance(stats: DrafterStats, params: PolicyParams) -> float:
+    """The estimated per-token acceptance alpha."""
+    return (stats.successes + params.prior_acceptance * params.prior_weight) / (stats.trials + params.prior_weight)
+
+
+def pessimistic_acceptance(stats: DrafterStats, params: PolicyParams) -> float:
+    """alpha lowered by `confidence` standard errors of its estimate: little evidence, little trust."""
+    alpha = acceptance(stats, params)
+    return max(alpha - params.confidence * math.sqrt(alpha * (1.0 - alpha) / (stats.trials + params.prior_weight)), 0.0)
+
+
+def observe_draft(
+    state: SequenceState, drafter: str, drafted: int, accepted: int, params: PolicyParams
+) -> SequenceState:
+    """The state after `accepted` of `drafted` tokens from `drafter` were accepted (drafted 0: nothing learnt)."""
+    if drafted <= 0:
+        return state
+    if not 0 <= accepted <= drafted:
+        raise ValueError(f"accepted {accepted} of {drafted} drafted")
+    old = state.stats.get(drafter, DrafterStats())
+    age = params.decay ** max(state.step - old.observed_at, 0)
+    new = replace(
+        old,
+        successes=age * old.successes + accepted,
+        trials=age * old.trials + accepted + (1 if accepted < drafted else 0),
+        observed_at=state.step,
+        tried_at=state.step,
+    )
+    return replace(state, stats={**state.stats, drafter: new})
+
+
+def plan_step(
+    state: SequenceState, config: SpeculativeConfig, costs: Costs, params: PolicyParams, batch_size: int = 1
+) -> tuple[list[Choice], SequenceState]:
+    """The drafters to try this step, in order, and the state after planning it. An empty list: do not draft.
+
+    batch_size: how many sequences share the target step; each is charged its share of the step's fixed cost.
+    """
+    step = state.step + 1
+    stats = {name: state.stats.get(name, DrafterStats()) for name in config.drafters}
+    step_fixed, per_token = costs.target.coefficients(
+        params.cost_ridge, params.target_token_prior, default=(1.0, params.target_token_prior)
+    )
+    target = (step_fixed / max(batch_size, 1), per_token)
+    no_draft_value = 1.0 / (target[0] + target[1])
+
+    def options(name: str, alpha: float) -> tuple[int, float]:
+        line = costs.proposals.get(name, LinearCost())
+        proposal = line.coefficients(params.cost_ridge, slope_prior=0.0, default=(0.0, 0.0))
+        return best_length(alpha, config.n_min, config.n_max, target, proposal)
+
+    planned = {name: options(name, acceptance(stats[name], params)) for name in config.drafters}  # (length, value)
+    judged: dict[str | None, float] = {
+        name: options(name, pessimistic_acceptance(stats[name], params))[1] for name in config.drafters
+    }
+    judged[None] = no_draft_value
+    ranked = sorted(judged, key=lambda name: -judged[name])  # stable: request order, then no drafting, on ties
+
+    main = ranked[0]
+    if state.main != _UNSET and state.main in judged:
+        settling = step - state.main_since < params.min_dwell
+        if settling or judged[main] <= (1.0 + params.switch_margin) * judged[state.main]:
+            main = state.main
+    main_value = planned[main][1] if main is not None else no_draft_value
+
+    def wait(name: str) -> int:
+        return params.probe_soon if planned[name][1] > main_value else stats[name].probe_every or params.probe_every
+
+    due = [name for name in config.drafters if name != main and step - stats[name].tried_at >= wait(name)]
+    probe = min(due, key=lambda name: stats[name].tried_at, default=None)  # the longest idle; request order on ties
+
+    choices = []
+    if probe is not None:
+        alpha = max(acceptance(stats[probe], params), params.prior_acceptance)
+        choices.append(Choice(probe, options(probe, alpha)[0], probe=True))
+        interval = stats[probe].probe_every or params.probe_every
+        if planned[probe][1] <= main_value:
+            interval = min(2 * interval, params.probe_every_max)
+        stats[probe] = replace(stats[probe], tried_at=step, probe_every=interval)
+    fallbacks = sorted(  # only used when the choices before have nothing to propose: judged by the estimate
+        (name for name in config.drafters if name not in (main, probe) and planned[name][1] > no_draft_value),
+        key=lambda name: -planned[name][1],
+    )
+    for name in ([main] if main is not None and main != probe else []) + fallbacks:
+        choices.append(Choice(name, planned[name][0]))
+    if main is not None:
+        stats[main] = replace(stats[main], tried_at=step, probe_every=params.probe_every)
+    main_since = state.main_since if main == state.main else step
+    return choices, SequenceState(step=step, main=main, main_since=main_since, stats={**state.stats, **stats})
+
+
+# --- the engine's handle ------------------------------------------------------------------------------------------
+
+class DrafterPolicy:
+    """Per-sequence planning state plus the cost lines shared by all sequences; the engine feeds it measurements."""
+
+    def __init__(self, params: PolicyParams = PolicyParams()):
+        self.params = params
+        self.costs = Costs()
+        self.sequences: dict[SeqId, SequenceState] = {}
+
+    def record_target(self, seconds: float, n_tokens: int) -> None:
+        """A target step of `n_tokens` tokens in all (each sequence's 1 + drafts, plus prompt chunks) took `seconds`."""
+        target = self.costs.target.observed(n_tokens, seconds, self.params.cost_decay)
+        self.costs = replace(self.costs, target=target)
+
+    def record_proposal(self, drafter: str, seconds: float, n_tokens: int) -> None:
+        """`drafter` proposed `n_tokens` tokens for one sequence; `seconds` is that sequence's share of the call."""
+        line = self.costs.proposals.get(drafter, LinearCost()).observed(n_tokens, seconds, self.params.cost_decay)
+        self.costs = replace(self.costs, proposals={**self.costs.proposals, drafter: line})
+
+    def plan(self, seq_id: SeqId, config: SpeculativeConfig, batch_size: int = 1) -> list[Choice]:
+        """This step's drafters to try in order (the first non-empty draft is used); empty: do not draft.
+
+        batch_size: the number of sequences in the target step, which share its fixed cost.
+        """
+        choices, self.sequences[seq_id] = plan_step(
+            self.sequences.get(seq_id, SequenceState()), config, self.costs, self.params, batch_size
+        )
+        return choices
+
+    def observe(self, seq_id: SeqId, drafter: str, drafted: int, accepted: int) -> None:
+        """After verification: `accepted` of the `drafted` tokens that `drafter` proposed were accepted."""
+        state = self.sequences.get(seq_id, SequenceState())
+        self.sequences[seq_id] = observe_draft(state, drafter, drafted, accepted, self.params)
+
+    def acceptance(self, seq_id: SeqId, drafter: str) -> float:
+        """The current per-token acceptance estimate of `drafter` for the sequence."""
+        stats = self.sequences.get(seq_id, SequenceState()).stats.get(drafter, DrafterStats())
+        return acceptance(stats, self.params)
+
+    def release(self, seq_id: SeqId) -> None:
+        """Forget a finished sequence."""
+        self.sequences.pop(seq_id, None)

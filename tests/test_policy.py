@@ -1,0 +1,224 @@
+"""Drafter policy on recorded acceptance sequences: which drafter, how long, and staying stable."""
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from drafters.policy import (
+    DrafterPolicy,
+    LinearCost,
+    PolicyParams,
+    SpeculativeConfig,
+    best_length,
+    expected_accepted,
+)
+
+TARGET = (0.010, 0.001)  # the simulated target step: 10 ms + 1 ms per verified token
+PROPOSAL_PER_TOKEN = {"a": 0.0005, "b": 0.0005, "mtp": 0.0005, "ngram": 0.00001, "slow": 0.005}
+
+
+def recorded(alpha, steps=1000, seed=0):
+    """A recorded acceptance sequence: per step, how many leading draft tokens the target would accept.
+
+    Each token is accepted with probability alpha (a constant or a function of the step) given the ones before it.
+    """
+    rng = random.Random(seed)
+    rate = alpha if callable(alpha) else (lambda step: alpha)
+    runs = []
+    for step in range(steps):
+        run = 0
+        while run < 64 and rng.random() < rate(step):
+            run += 1
+        runs.append(run)
+    return runs
+
+
+def simulate(policy, config, streams, steps, batch_size=1, empty=lambda name, step: False):
+    """Run the engine's side: plan, draft from recorded outcomes, verify, and report costs and acceptance.
+
+    streams: drafter -> recorded acceptance runs; a draft of d tokens at step t gets min(d, run[t]) accepted.
+    Returns one (drafter used or None, length, probe, main choice) per step.
+    """
+    log = []
+    for step in range(steps):
+        used = None
+        for choice in policy.plan(0, config, batch_size):
+            drafted = 0 if empty(choice.drafter, step) else choice.n_draft
+            policy.record_proposal(choice.drafter, PROPOSAL_PER_TOKEN[choice.drafter] * drafted, drafted)
+            if drafted:
+                used = choice
+                break
+        drafted = used.n_draft if used else 0
+        policy.record_target(TARGET[0] + TARGET[1] * (1 + drafted) * batch_size, (1 + drafted) * batch_size)
+        if used:
+            policy.observe(0, used.drafter, drafted, min(drafted, streams[used.drafter][step]))
+        log.append((used.drafter if used else None, drafted, bool(used and used.probe), policy.sequences[0].main))
+    return log
+
+
+def main_switches(log, start=0):
+    mains = [entry[3] for entry in log[start:]]
+    return sum(1 for before, after in zip(mains, mains[1:]) if before != after)
+
+
+# --- the value model ----------------------------------------------------------------------------------------------
+
+def test_expected_accepted():
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+    assert expected_accepted(0.0, 8) == 0.0
+    assert expected_accepted(1.0, 8) == 8.0
+    assert expected_accepted(0.999999, 8) == pytest.approx(8.0, rel=1e-4)
+
+
+@given(
+    alpha=st.floats(0.0, 0.99),
+    n_min=st.integers(1, 4),
+    span=st.integers(0, 40),
+    per_token=st.floats(1e-5, 1e-2),
+    proposal=st.floats(0.0, 1e-2),
+)
+def test_best_length_is_the_argmax_and_grows_with_acceptance(alpha, n_min, span, per_token, proposal):
+    n_max = n_min + span
+    target, line = (0.01, per_token), (0.0, proposal)
+    d, value = best_length(alpha, n_min, n_max, target, line)
+
+    def value_of(k):
+        return (1 + expected_accepted(alpha, k)) / (target[0] + target[1] * (1 + k) + line[1] * k)
+
+    assert n_min <= d <= n_max
+    assert value == pytest.approx(max(value_of(k) for k in range(n_min, n_max + 1)))
+    assert best_length(min(alpha + 0.05, 1.0), n_min, n_max, target, line)[0] >= d
+    assert best_length(alpha, n_min, n_max, (0.01, per_token * 2), line)[0] <= d
+
+
+def test_cost_line_fit():
+    line = LinearCost()
+    assert line.coefficients(1.0, 0.0, default=(1.0, 0.0)) == (1.0, 0.0)
+    for n in [1, 5, 2, 9, 17, 3, 33, 1, 8]:
+        line = line.observed(n, 0.02 + 0.003 * n, decay=0.98)
+    fixed, per_token = line.coefficients(1.0, 0.0, default=(1.0, 0.0))
+    assert fixed == pytest.approx(0.02, rel=0.02) and per_token == pytest.approx(0.003, rel=0.02)
+    same_n = LinearCost()
+    for _ in range(20):
+        same_n = same_n.observed(9, 0.05, decay=0.98)
+    fixed, per_token = same_n.coefficients(1.0, 1.0 / 16, default=(1.0, 0.0))
+    assert fixed + 9 * per_token == pytest.approx(0.05, rel=1e-3)  # the data is fitted; the prior only splits it
+    assert per_token == pytest.approx(fixed / 16, rel=1e-3)
+
+
+def test_sharing_the_step_shortens_drafts():
+    alone = best_length(0.8, 1, 64, (0.01, 0.001), (0.0, 0.0005))[0]
+    shared = best_length(0.8, 1, 64, (0.01 / 64, 0.001), (0.0, 0.0005))[0]
+    assert shared < alone
+
+
+# --- choosing drafters --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")])
+def test_equal_statistics_follow_request_order(order):
+    policy = DrafterPolicy()
+    choices = policy.plan(0, SpeculativeConfig(order, n_max=8))
+    assert [c.drafter for c in choices] == list(order)
+    assert not any(c.probe for c in choices)
+
+
+def test_switches_to_the_drafter_that_pays_and_stays():
+    log = simulate(
+        DrafterPolicy(), SpeculativeConfig(("a", "b"), n_max=16), {"a": recorded(0.3), "b": recorded(0.8, seed=1)}, 400
+    )
+    assert log[0][0] == "a"  # the request's order first
+    assert any(entry[0] == "b" and entry[2] for entry in log[:8])  # "b" looked promising: probed early
+    assert all(entry[3] == "b" for entry in log[10:])
+    assert main_switches(log) == 1
+    probes = [step for step, entry in enumerate(log) if entry[2] and step >= 10]
+    assert 2 <= len(probes) <= 6 and all(log[step][0] == "a" for step in probes)  # "a" is still tried, rarely
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_close_drafters_do_not_flap(seed):
+    params = PolicyParams()
+    streams = {"a": recorded(0.62, seed=seed), "b": recorded(0.68, seed=seed + 100)}
+    log = simulate(DrafterPolicy(params), SpeculativeConfig(("a", "b"), n_max=16), streams, 600)
+    mains = [entry[3] for entry in log]
+    switches = [step for step in range(1, 600) if mains[step] != mains[step - 1]]
+    assert len(switches) <= 3
+    assert all(later - earlier >= params.min_dwell for earlier, later in zip(switches, switches[1:]))
+
+
+def test_cost_decides_between_equally_accepted_drafters():
+    streams = {"slow": recorded(0.7), "mtp": recorded(0.7)}  # equally accepted; "slow" costs 10x per token
+    log = simulate(DrafterPolicy(), SpeculativeConfig(("slow", "mtp"), n_max=16), streams, 200)
+    assert log[0][0] == "slow"
+    assert all(entry[3] == "mtp" for entry in log[40:])
+
+
+def test_bad_drafter_recovers():
+    params = PolicyParams()
+    turn = 300
+    log = simulate(
+        DrafterPolicy(params),
+        SpeculativeConfig(("a", "b"), n_max=16),
+        {"a": recorded(lambda step: 0.1 if step < turn else 0.95), "b": recorded(0.6, seed=1)},
+        turn + 2 * params.probe_every_max,
+    )
+    assert all(entry[3] == "b" for entry in log[20:turn])
+    assert log[-1][3] == "a" and all(entry[3] == "a" for entry in log[-params.probe_every_max :])
+
+
+def test_no_drafting_when_nothing_pays():
+    params = PolicyParams()
+    log = simulate(DrafterPolicy(params), SpeculativeConfig(("slow",), n_max=16), {"slow": recorded(0.0)}, 300)
+    drafting = [step for step, entry in enumerate(log) if entry[0] is not None]
+    assert drafting[: params.min_dwell] == list(range(params.min_dwell))  # the first choice, held a while
+    probes = drafting[params.min_dwell :]
+    assert all(log[step][2] for step in probes) and 3 <= len(probes) <= 5  # probes, ever less often
+    assert all(later - earlier >= 16 for earlier, later in zip(probes, probes[1:]))
+
+
+def test_fallback_when_the_first_drafter_has_nothing():
+    # n-gram first: it pays when it has a match, and the model drafter covers the steps where it has none
+    log = simulate(
+        DrafterPolicy(),
+        SpeculativeConfig(("ngram", "mtp"), n_max=16),
+        {"ngram": recorded(0.9), "mtp": recorded(0.6, seed=1)},
+        300,
+        empty=lambda name, step: name == "ngram" and (step // 20) % 2 == 1,
+    )
+    used = [entry[0] for entry in log[20:]]
+    assert used.count("ngram") > 100 and used.count("mtp") > 100 and used.count(None) == 0
+    assert main_switches(log, start=20) <= 2
+
+
+# --- draft length -------------------------------------------------------------------------------------------------
+
+def test_draft_length_follows_acceptance():
+    config = SpeculativeConfig(("mtp",), n_max=32, n_min=1)
+    log = simulate(DrafterPolicy(), config, {"mtp": recorded(lambda step: 0.9 if step < 200 else 0.3)}, 400)
+    lengths = [entry[1] for entry in log]
+    high, low = lengths[150:200], lengths[-50:]
+    assert sum(high) / 50 >= 6 and max(high) <= 16
+    assert sum(low) / 50 <= 2
+    assert min(lengths) >= 1 and max(lengths) <= 32
+
+
+def test_respects_n_min_and_n_max():
+    for n_min, n_max in [(1, 2), (4, 8), (6, 6)]:
+        config = SpeculativeConfig(("a", "b"), n_max=n_max, n_min=n_min)
+        log = simulate(DrafterPolicy(), config, {"a": recorded(0.97), "b": recorded(0.2, seed=1)}, 150)
+        assert all(n_min <= entry[1] <= n_max for entry in log if entry[0] is not None)
+    with pytest.raises(ValueError):
+        SpeculativeConfig(("a",), n_max=2, n_min=3)
+
+
+def test_deterministic_and_released():
+    runs = []
+    for _ in range(2):
+        policy = DrafterPolicy()
+        runs.append(simulate(policy, SpeculativeConfig(("a", "b")), {"a": recorded(0.5), "b": recorded(0.7)}, 100))
+    assert runs[0] == runs[1]
+    assert policy.acceptance(0, "b") > policy.acceptance(0, "a")
+    policy.release(0)
+    assert 0 not in policy.sequences
+    assert policy.acceptance(0, "b") == policy.acceptance(0, "a") == PolicyParams().prior_acceptance
