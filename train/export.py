@@ -18,10 +18,10 @@ from jaxmodel.gguf_io import write_gguf
 from jaxmodel.tokenizer import vocab_from_tokenizer
 from jaxmodel.weights import Weights
 
+from .checkpoint import load_checkpoint
 from .configs import MODELS
 from .params import to_numpy
 from .tokenizer import CHATML_TEMPLATE, ENDOFTEXT
-from .train import load_checkpoint
 
 
 def gguf_vocab(tokenizer: Tokenizer, n_vocab: int) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxmodel.config import ModelConfig
 from jaxmodel.model import forward, mtp_forward
@@ -57,7 +56,8 @@ def mtp_sequence_forward(
 
 def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats. logits [B, N, V], targets [B, N]."""
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
 def shifted_hidden(hidden: jax.Array) -> jax.Array:

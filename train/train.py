@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from jaxmodel.config import ModelConfig
 from jaxmodel.weights import Weights
 
+from .checkpoint import save_checkpoint
 from .configs import MODELS, RECIPES, VOCAB_SIZE, Recipe
 from .data import fixed_windows, load_corpus, sample_windows, token_stream
 from .objective import losses, total_loss
@@ -142,20 +143,6 @@ def train_model(cfg: ModelConfig, recipe: Recipe, data: Dataset, log=print) -> t
           "held_out_tokens_evaluated": recipe.final_eval_windows * recipe.seq_len,
           **{f"val_{k}": round(v, 4) for k, v in final.items()}})  # fmt: skip
     return params, records
-
-
-def save_checkpoint(path: Path, params: Weights) -> None:
-    """The parameter leaves, in tree order, as arrays leaf_0 .. leaf_n of an npz."""
-    leaves = jax.tree_util.tree_leaves(params)
-    np.savez(path, **{f"leaf_{i}": np.asarray(x) for i, x in enumerate(leaves)})
-
-
-def load_checkpoint(path: Path, cfg: ModelConfig) -> Weights:
-    """The inverse of `save_checkpoint` for a model of config `cfg` (numpy float32 leaves)."""
-    treedef = jax.tree_util.tree_structure(init_params(cfg, 0))
-    with np.load(path) as f:
-        leaves = [f[f"leaf_{i}"] for i in range(len(f.files))]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def main(argv: list[str] | None = None) -> int:
