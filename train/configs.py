@@ -67,7 +67,7 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    "target": Recipe(steps=1000, batch=4, warmup=50),
+    "target": Recipe(steps=1000, warmup=50),
     "draft": Recipe(steps=1200, warmup=50),
     "test": Recipe(steps=4, batch=2, seq_len=32, warmup=1, eval_every=2, eval_windows=2, final_eval_windows=4),
 }

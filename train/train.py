@@ -109,8 +109,11 @@ def make_evaluate(cfg: ModelConfig, recipe: Recipe, batch: int):
     return evaluate
 
 
-def train_model(cfg: ModelConfig, recipe: Recipe, data: Dataset, log=print) -> tuple[Weights, list[dict]]:
-    """Run the recipe; returns the trained parameters (device arrays) and the log records."""
+def train_model(
+    cfg: ModelConfig, recipe: Recipe, data: Dataset, log=print, checkpoint: Path | None = None
+) -> tuple[Weights, list[dict]]:
+    """Run the recipe; returns the trained parameters (device arrays) and the log records. With `checkpoint`,
+    the parameters are also saved there at every evaluation."""
     params = jax.tree_util.tree_map(jnp.asarray, init_params(cfg, recipe.seed))
     optimizer = make_optimizer(recipe, params)
     opt_state = optimizer.init(params)
@@ -137,6 +140,8 @@ def train_model(cfg: ModelConfig, recipe: Recipe, data: Dataset, log=print) -> t
             held_out = evaluate(params, val_windows)
             emit({"event": "eval", "step": step, "elapsed_s": round(time.perf_counter() - start, 1),
                   **{f"val_{k}": round(v, 4) for k, v in held_out.items()}})  # fmt: skip
+            if checkpoint is not None:
+                save_checkpoint(checkpoint, params)
     train_s = time.perf_counter() - start
     final = evaluate(params, fixed_windows(data.held_out, recipe.final_eval_windows, recipe.seq_len))
     emit({"event": "final", "step": recipe.steps, "train_s": round(train_s, 1),
@@ -158,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.seed is not None:
         recipe = dataclasses.replace(recipe, seed=args.seed)
     data = prepare_data(args.work_dir, cfg.n_vocab)
-    params, records = train_model(cfg, recipe, data, log=lambda line: print(line, flush=True))
+    params, records = train_model(cfg, recipe, data, log=lambda line: print(line, flush=True),
+                                  checkpoint=args.work_dir / f"{args.model}-latest.npz")  # fmt: skip
     save_checkpoint(args.work_dir / f"{args.model}.npz", params)
     summary = {"model": args.model, "config": dataclasses.asdict(cfg), "records": records}
     (args.work_dir / f"{args.model}.json").write_text(json.dumps(summary, indent=1))
