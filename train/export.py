@@ -43,9 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("train/runs"))
     parser.add_argument("--out-dir", type=Path, default=Path("jaxmodel/assets"))
     parser.add_argument("--dtype", default="q8_0", choices=["f32", "f16", "bf16", "q8_0"])
+    parser.add_argument("--models", nargs="+", default=["target", "draft"], choices=["target", "draft"])
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for model, filename in (("target", DEFAULT_MODEL), ("draft", DEFAULT_DRAFT)):
+    files = {"target": DEFAULT_MODEL, "draft": DEFAULT_DRAFT}
+    for model in args.models:
+        filename = files[model]
         cfg = MODELS[model]
         tokenizer = Tokenizer.from_file(str(args.work_dir / f"tokenizer-{cfg.n_vocab}.json"))
         params = load_checkpoint(args.work_dir / f"{model}.npz", cfg)
