@@ -1,0 +1,1 @@
+"""Training the bundled tiny models: BPE tokenizer, data pipeline, JAX + optax training loop, GGUF export."""
