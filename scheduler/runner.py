@@ -117,6 +117,9 @@ class Runner:
             batch = pack_batch([], B=B, T=T, P=self.shapes.pages_per_row, R=R)
             out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=final_only)
             n += 1
+            params = SamplingParams.of(np.zeros(B), batch=B)
+            zeros = np.zeros((B,), np.int32)
+            self._verify(out.logits, np.zeros((B, R - 1), np.int32), None, zeros, params, zeros)
             if self.model.has_mtp and not final_only:
                 hidden = np.zeros((B, T, self.model.cfg.n_embd), np.float32)
                 out, self.state = self.model.mtp_step(self.model.weights, batch=batch, hidden_in=hidden, state=self.state)
