@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxmodel.gguf_io import open_gguf
 from jaxmodel.model import Model
-from jaxmodel.state import Row, pack_batch
+from jaxmodel.state import Row
+from scheduler.runner import Runner, Shapes
 
 from .base import Draft, DraftRequest, SeqId
 from .chain import greedy_chain
@@ -57,7 +58,9 @@ class DraftModelDrafter:
         self.page_size = page_size
         pages_per_seq = -(-(max_context + n_max + 1) // page_size)
         planes_per_seq = n_max + 2
-        self.state = model.new_state(1 + max_seqs * pages_per_seq, 1 + max_seqs * planes_per_seq, page_size)
+        shapes = Shapes(max_rows=max_seqs, max_tokens=CATCH_UP_CHUNK + 1, max_logit_rows=1, pages_per_row=pages_per_seq)
+        self.runner = Runner(model, n_pages=1 + max_seqs * pages_per_seq, n_planes=1 + max_seqs * planes_per_seq,
+                             page_size=page_size, shapes=shapes)  # fmt: skip
         self.free_slots = [
             _Slot(
                 list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)),
@@ -67,10 +70,13 @@ class DraftModelDrafter:
         ]
         self.slots: dict[SeqId, _Slot] = {}
 
-    def _run(self, rows: list[Row]) -> np.ndarray:
+    def _run(self, rows: list[Row], prefill_only: bool = False) -> np.ndarray:
         """One step of the draft model; the logits [B, V] of each row's first logit row."""
-        out, self.state = self.model.step(self.model.weights, batch=pack_batch(rows), state=self.state)
-        return np.asarray(out.logits[:, 0])
+        return np.asarray(self.runner.forward(rows, prefill_only=prefill_only).logits[:, 0])
+
+    def warmup(self) -> int:
+        """Compile the draft model's step shapes; returns how many."""
+        return self.runner.warmup(verify=False)
 
     def _spare(self, slot: _Slot) -> list[int]:
         return [p for p in slot.planes if p != slot.live]
@@ -95,7 +101,7 @@ class DraftModelDrafter:
                 chunk = list(r.tokens[s.fed : s.fed + CATCH_UP_CHUNK])
                 rows.append(Row(chunk, s.fed, s.pages, s.live, [-1] * (len(chunk) - 1) + [target]))
                 s.live, s.fed = target, s.fed + len(chunk)
-            self._run(rows)
+            self._run(rows, prefill_only=True)
         if not live:
             return [Draft(tokens=[]) for _ in requests]
         rows = []

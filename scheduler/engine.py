@@ -219,7 +219,8 @@ class Engine:
 
     def warmup(self) -> int:
         """Compile every step shape this engine can run before serving; returns how many compiled."""
-        return self.runner.warmup()
+        draft = self.drafters.get("draft_model")
+        return self.runner.warmup() + (draft.warmup() if draft is not None else 0)
 
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():
