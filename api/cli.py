@@ -158,27 +158,16 @@ def _generate(args) -> int:
                     "timings": msgspec.to_builtins(done.timings)}  # fmt: skip
 
     async def in_process() -> dict:
-        from api.server import Server, run_server
         from api.protocol import Defaults, Limits, ServerSettings
+        from api.server import Server, listening
 
         engine, tokenizer = _build_engine(args)
         known = tuple(engine.drafters)
         settings = ServerSettings(defaults=Defaults(drafters=(), max_tokens=1), limits=Limits(
             max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len, known_drafters=known,
             max_n_max=args.max_n_max, vocab_size=engine.model.cfg.n_vocab))  # fmt: skip
-        server = Server(engine, tokenizer, settings)
-        async with engine, anyio.create_task_group() as tg:
-            ready, shutdown, box = anyio.Event(), anyio.Event(), {}
-
-            def on_ready(port):
-                box["port"] = port
-                ready.set()
-
-            tg.start_soon(lambda: run_server(server, "127.0.0.1", 0, ready=on_ready, shutdown=shutdown))
-            await ready.wait()
-            result = await over_client(f"ws://127.0.0.1:{box['port']}")
-            shutdown.set()
-            return result
+        async with engine, listening(Server(engine, tokenizer, settings)) as (url, _):
+            return await over_client(url)
 
     result = anyio.run(over_client, args.url) if args.url else anyio.run(in_process)
     if args.json:

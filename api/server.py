@@ -7,6 +7,7 @@ to drain its stream gets its connection closed with 1008 and its requests cancel
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -208,6 +209,25 @@ class Server:
         )
         usage = Usage(done.prompt_tokens, done.completion_tokens)
         return Done(request_id, done.finish_reason, usage, spec, timings)
+
+
+@contextlib.asynccontextmanager
+async def listening(server: Server, host: str = "127.0.0.1", port: int = 0):
+    """Run `server` in a task group of its own; yields its ws:// URL and the event that stops it, which is set
+    when the block exits (in-flight requests then end with done(cancelled))."""
+    async with anyio.create_task_group() as tg:
+        ready, shutdown, bound = anyio.Event(), anyio.Event(), []
+
+        def on_ready(port_in_use: int) -> None:
+            bound.append(port_in_use)
+            ready.set()
+
+        tg.start_soon(lambda: run_server(server, host, port, ready=on_ready, shutdown=shutdown))
+        await ready.wait()
+        try:
+            yield f"ws://{host}:{bound[0]}", shutdown
+        finally:
+            shutdown.set()
 
 
 async def run_server(server: Server, host: str, port: int, *, ready=None, shutdown: anyio.Event | None = None) -> None:

@@ -14,7 +14,7 @@ from websockets.asyncio.client import connect
 
 from api.client import Client, RequestError
 from api.protocol import Defaults, Limits, ServerSettings, Speculative
-from api.server import Server, run_server
+from api.server import Server, listening
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler.engine import Engine
@@ -42,18 +42,8 @@ async def serving(model, tokenizer, **engine_options):
     engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64,
                     **engine_options)  # fmt: skip
     free = (engine.memory.free_pages, engine.memory.free_planes)
-    server = Server(engine, tokenizer, SETTINGS)
-    async with engine, anyio.create_task_group() as tg:
-        ready, shutdown, box = anyio.Event(), anyio.Event(), {}
-
-        def on_ready(port):
-            box["url"] = f"ws://127.0.0.1:{port}"
-            ready.set()
-
-        tg.start_soon(lambda: run_server(server, "127.0.0.1", 0, ready=on_ready, shutdown=shutdown))
-        await ready.wait()
-        yield box["url"], engine
-        shutdown.set()
+    async with engine, listening(Server(engine, tokenizer, SETTINGS)) as (url, _):
+        yield url, engine
     engine.free_at_start = free
 
 
@@ -223,17 +213,8 @@ def test_shutdown_ends_in_flight_requests_with_cancelled(model, tokenizer):
 
     async def main():
         engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64)
-        server = Server(engine, tokenizer, SETTINGS)
-        async with engine, anyio.create_task_group() as tg:
-            ready, shutdown, box = anyio.Event(), anyio.Event(), {}
-
-            def on_ready(port):
-                box["port"] = port
-                ready.set()
-
-            tg.start_soon(lambda: run_server(server, "127.0.0.1", 0, ready=on_ready, shutdown=shutdown))
-            await ready.wait()
-            async with connect(f"ws://127.0.0.1:{box['port']}") as ws:
+        async with engine, listening(Server(engine, tokenizer, SETTINGS)) as (url, shutdown):
+            async with connect(url) as ws:
                 for i in range(2):
                     await ws.send(json.dumps({"type": "generate", "id": f"r{i}", "prompt_ids": [1, 2, 3],
                                               "max_tokens": 48, "speculative": None}))  # fmt: skip
