@@ -7,34 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import check_against_reference
 from jaxmodel import delta_rule
 from jaxmodel.delta_rule import (chunked_scan, choose_implementation, gated_delta_rule, invert_unit_lower,
                                  recurrent_scan)
 from jaxmodel.kernels.problems import random_inputs, random_problem
 from jaxmodel.kernels.reference import delta_rule_reference
-
-
-def tolerance(n_tokens: int) -> float:
-    """float32 against the float64 reference; rounding accumulates along the sequence."""
-    return 2e-6 * (1 + n_tokens / 16)
-
-
-def check_against_reference(problem, outputs, pool, *, final_only: bool):
-    """Outputs, every written plane (the state after its token) and every other plane (untouched, bit for bit)."""
-    pool, outputs = np.asarray(pool), np.asarray(outputs)
-    n_tokens = problem.q.shape[1]
-    ref = delta_rule_reference(problem.q, problem.k, problem.v, problem.g, problem.beta,
-                               problem.ssm_pool[problem.read_plane], keep_states=True)
-    tol = tolerance(n_tokens)
-    np.testing.assert_allclose(outputs, ref.outputs, atol=tol, rtol=tol)
-    written = set()
-    for b, t in zip(*np.nonzero(problem.write_planes >= 0)):
-        plane = problem.write_planes[b, t]
-        expected = ref.final_state[b] if final_only else ref.states[b, t]
-        np.testing.assert_allclose(pool[plane], expected, atol=tol, rtol=tol, err_msg=f"row {b} token {t}")
-        written.add(plane)
-    untouched = [p for p in range(pool.shape[0]) if p not in written]
-    np.testing.assert_array_equal(pool[untouched], problem.ssm_pool[untouched])
 
 
 def test_reference_single_token_from_zero_state_is_a_scaled_outer_product():
