@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from .config import ModelConfig, ModelFormatError, from_gguf
+from .tokenizer import CONTROL, NORMAL, UNUSED, GGUFVocab, byte_decoder, write_vocab
 from .weights import Attention, DenseFfn, GatedDeltaNet, Layer, MoeFfn, Mtp, Weights
 
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
@@ -221,29 +222,16 @@ def to_device(weights: Weights) -> Weights:
 _EXPORT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 
 
-def bytes_to_unicode() -> list[str]:
-    """GPT-2's byte -> printable character map, indexed by byte value."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
-def byte_level_vocab(n_vocab: int) -> dict:
+def byte_level_vocab(n_vocab: int) -> GGUFVocab:
     """A GPT-2 byte-level vocabulary with no merges, padded to n_vocab, with Qwen's three special tokens last."""
-    byte_tokens = bytes_to_unicode()
+    byte_tokens = [char for char, _ in sorted(byte_decoder().items(), key=lambda item: item[1])]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     if n_vocab < len(byte_tokens) + len(specials):
         raise ValueError(f"n_vocab {n_vocab} is below the {len(byte_tokens) + len(specials)} byte and special tokens")
     pads = [f"[PAD{i}]" for i in range(n_vocab - len(byte_tokens) - len(specials))]
-    tokens = byte_tokens + pads + specials
-    types = [1] * len(byte_tokens) + [5] * len(pads) + [3] * len(specials)
-    return {"tokens": tokens, "token_type": types, "merges": [], "eos": n_vocab - 1, "bos": n_vocab - 3}
+    types = [NORMAL] * len(byte_tokens) + [UNUSED] * len(pads) + [CONTROL] * len(specials)
+    return GGUFVocab(tokens=tuple(byte_tokens + pads + specials), merges=(), token_types=tuple(types),
+                     bos_id=n_vocab - 3, eos_id=n_vocab - 1, pad_id=n_vocab - 3)  # fmt: skip
 
 
 def write_gguf(
@@ -251,13 +239,12 @@ def write_gguf(
     cfg: ModelConfig,
     weights: Weights,
     *,
-    vocab: dict | None = None,
+    vocab: GGUFVocab | None = None,
     dtype: str = "f32",
     name: str = "gdnspec",
-    chat_template: str | None = None,
 ) -> None:
     """Write `weights` as a GGUF llama.cpp can load (SPEC §3, §9). 2-D matmul weights take `dtype`; norms,
-    biases, conv and SSM vectors stay F32. vocab: {"tokens", "token_type", "merges", "eos", "bos"}."""
+    biases, conv and SSM vectors stay F32. vocab (with its chat template): a byte-level one when not given."""
     if dtype not in _EXPORT_TYPES:
         raise ValueError(f"unsupported export dtype '{dtype}' (one of {', '.join(_EXPORT_TYPES)})")
     qtype = _EXPORT_TYPES[dtype]
@@ -295,17 +282,7 @@ def write_gguf(
         w.add_expert_feed_forward_length(cfg.n_ff_expert)
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shared)
     w.add_file_type({QT.F32: 0, QT.F16: 1, QT.BF16: 32, QT.Q8_0: 7}[qtype])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["token_type"])
-    w.add_token_merges(vocab["merges"])
-    w.add_bos_token_id(vocab["bos"])
-    w.add_eos_token_id(vocab["eos"])
-    w.add_pad_token_id(vocab["bos"])
-    w.add_add_bos_token(False)
-    if chat_template:
-        w.add_chat_template(chat_template)
+    write_vocab(w, vocab)
 
     def put(name: str, array, matmul: bool = False, lookup: bool = False):
         """matmul: a pytree [.., n_in, n_out] weight, stored transposed; lookup: an embedding table. Both

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from jaxmodel.assets import DEFAULT_DRAFT, DEFAULT_MODEL
 from jaxmodel.config import ModelConfig
 from jaxmodel.gguf_io import write_gguf
-from jaxmodel.tokenizer import vocab_from_tokenizer
+from jaxmodel.tokenizer import GGUFVocab, vocab_from_tokenizer
 from jaxmodel.weights import Weights
 
 from .checkpoint import load_checkpoint
@@ -24,18 +24,16 @@ from .params import to_numpy
 from .tokenizer import CHATML_TEMPLATE, ENDOFTEXT
 
 
-def gguf_vocab(tokenizer: Tokenizer, n_vocab: int) -> dict:
-    """The vocab dict `write_gguf` takes, from a trained tokenizer. <|endoftext|> (the separator the models
-    were trained with) is both bos and eos; <|im_end|> also ends generation, by its text."""
-    v = vocab_from_tokenizer(tokenizer, pre="qwen35", vocab_size=n_vocab, bos=ENDOFTEXT, eos=ENDOFTEXT)
-    return {"tokens": list(v.tokens), "token_type": list(v.token_types), "merges": list(v.merges),
-            "eos": v.eos_id, "bos": v.bos_id}  # fmt: skip
+def gguf_vocab(tokenizer: Tokenizer, n_vocab: int) -> GGUFVocab:
+    """The GGUF vocabulary of a trained tokenizer, with a ChatML template. <|endoftext|> (the separator the
+    models were trained with) is bos, eos and pad; <|im_end|> also ends generation, by its text."""
+    return vocab_from_tokenizer(tokenizer, pre="qwen35", vocab_size=n_vocab, bos=ENDOFTEXT, eos=ENDOFTEXT,
+                                pad=ENDOFTEXT, chat_template=CHATML_TEMPLATE)  # fmt: skip
 
 
 def export_model(path: Path, cfg: ModelConfig, params: Weights, tokenizer: Tokenizer, dtype: str, name: str) -> None:
     """Write trainable `params` (see train.params) as a GGUF with the tokenizer and a ChatML template."""
-    write_gguf(path, cfg, to_numpy(params), vocab=gguf_vocab(tokenizer, cfg.n_vocab), dtype=dtype, name=name,
-               chat_template=CHATML_TEMPLATE)  # fmt: skip
+    write_gguf(path, cfg, to_numpy(params), vocab=gguf_vocab(tokenizer, cfg.n_vocab), dtype=dtype, name=name)
 
 
 def main(argv: list[str] | None = None) -> int:
