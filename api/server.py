@@ -19,7 +19,7 @@ from anyio.abc import TaskGroup
 from websockets.asyncio.server import ServerConnection, serve
 
 from scheduler.engine import Engine, GenerationRequest, RequestTiming
-from scheduler.runner import Sampling
+from jaxmodel.runtime import Sampling
 from scheduler.types import DoneEvent, TokensEvent
 from drafters.policy import SpeculativeConfig
 

@@ -11,6 +11,8 @@ from typing import Hashable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from jaxmodel.runtime import RowResult as StepResult
+
 SeqId = Hashable
 
 
@@ -53,7 +55,15 @@ EMPTY_DRAFT = Draft(tokens=[])
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the scheduler needs from a drafter; drafters needing engine data take it through their own methods."""
+    """What the engine needs from a drafter. The last three methods are hooks with no-op defaults (a drafter class
+    that subclasses `Drafter` inherits them), so the engine drives every drafter alike and names none:
+
+    - `warmup` compiles the drafter's device calls before serving;
+    - `device_chain` lets a drafter whose model is part of the target (the MTP head) have the target's step
+      compute the next step's drafts on device, where the hidden states already are;
+    - `after_step` hands each drafter of a sequence the target step's result for it (committed tokens, and the
+      drafts chained on device).
+    """
 
     name: str
 
@@ -68,3 +78,17 @@ class Drafter(Protocol):
     def release(self, seq_id: SeqId) -> None:
         """Forget a finished or aborted sequence."""
         ...
+
+    def warmup(self) -> int:
+        """Compile whatever the drafter runs on a device; returns how many shapes compiled."""
+        return 0
+
+    def device_chain(self, seq_id: SeqId, n_next: int) -> int:
+        """How many drafts the target's step should chain on device with the MTP head for this sequence's next
+        step, given that the policy may ask for up to n_next: -1 for none (host-side drafters), 0 for a catch-up
+        only (the head must see every committed token)."""
+        return -1
+
+    def after_step(self, seq_id: SeqId, n_tokens: int, result: StepResult) -> None:
+        """The target step committed `result.committed` for the sequence, which now holds n_tokens tokens;
+        `result.next_drafts` are the drafts chained on device for its next step."""

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 
 from jaxmodel.gguf_io import open_gguf
 from jaxmodel.model import Model
+from jaxmodel.runtime import Runtime, Shapes
 from jaxmodel.state import Row
-from scheduler.runner import Runner, Shapes
 
-from .base import Draft, DraftRequest, SeqId
-from .chain import greedy_chain
+from .base import Draft, Drafter, DraftRequest, SeqId
 
 CATCH_UP_CHUNK = 128
 
@@ -49,7 +47,7 @@ class _Slot:
         self.last_position = 0  # position of `last` at the last proposal
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name = "draft_model"
 
     def __init__(self, model: Model, *, max_seqs: int, max_context: int, n_max: int, page_size: int = 16):
@@ -59,8 +57,8 @@ class DraftModelDrafter:
         pages_per_seq = -(-(max_context + n_max + 1) // page_size)
         planes_per_seq = n_max + 2
         shapes = Shapes(max_rows=max_seqs, max_tokens=CATCH_UP_CHUNK + 1, max_logit_rows=1, pages_per_row=pages_per_seq)
-        self.runner = Runner(model, n_pages=1 + max_seqs * pages_per_seq, n_planes=1 + max_seqs * planes_per_seq,
-                             page_size=page_size, shapes=shapes)  # fmt: skip
+        self.runtime = Runtime(model, n_pages=1 + max_seqs * pages_per_seq, n_planes=1 + max_seqs * planes_per_seq,
+                               page_size=page_size, shapes=shapes, n_chain_max=n_max)  # fmt: skip
         self.free_slots = [
             _Slot(
                 list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)),
@@ -70,13 +68,9 @@ class DraftModelDrafter:
         ]
         self.slots: dict[SeqId, _Slot] = {}
 
-    def _run(self, rows: list[Row], prefill_only: bool = False) -> np.ndarray:
-        """One step of the draft model; the logits [B, V] of each row's first logit row."""
-        return np.asarray(self.runner.forward(rows, prefill_only=prefill_only).logits[:, 0])
-
     def warmup(self) -> int:
-        """Compile the draft model's step shapes; returns how many."""
-        return self.runner.warmup(verify=False)
+        """Compile the draft model's chain and catch-up shapes; returns how many."""
+        return self.runtime.warmup_chain()
 
     def _spare(self, slot: _Slot) -> list[int]:
         return [p for p in slot.planes if p != slot.live]
@@ -101,7 +95,7 @@ class DraftModelDrafter:
                 chunk = list(r.tokens[s.fed : s.fed + CATCH_UP_CHUNK])
                 rows.append(Row(chunk, s.fed, s.pages, s.live, [-1] * (len(chunk) - 1) + [target]))
                 s.live, s.fed = target, s.fed + len(chunk)
-            self._run(rows, prefill_only=True)
+            self.runtime.forward(rows, prefill_only=True)
         if not live:
             return [Draft(tokens=[]) for _ in requests]
         rows = []
@@ -111,16 +105,8 @@ class DraftModelDrafter:
             writes = [-1] * (len(backlog) - 1) + [s.chain[0]]
             rows.append(Row(backlog, s.fed, s.pages, s.live, writes, [len(backlog) - 1]))
             s.last_position = len(r.tokens) - 1
-
-        def advance(indices: list[int], tokens: list[int], step: int) -> np.ndarray:
-            chain_rows = []
-            for i, token in zip(indices, tokens):
-                r, s = live[i]
-                chain_rows.append(Row([token], s.last_position + step, s.pages, s.chain[step - 1], [s.chain[step]], [0]))
-            return self._run(chain_rows)[: len(indices)]
-
-        n_max = [min(r.n_max, self.n_max) for r, _ in live]
-        chains = greedy_chain(self._run(rows)[: len(live)], n_max, [r.p_min for r, _ in live], advance)
+        chains = self.runtime.chain(rows, [s.chain for _, s in live], [min(r.n_max, self.n_max) for r, _ in live],
+                                    [r.p_min for r, _ in live])  # fmt: skip
         drafts = {}
         for (r, s), chain in zip(live, chains):
             s.proposed = drafts[r.seq_id] = chain

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from drafters.base import EMPTY_DRAFT, Draft, DraftRequest, SeqId
+from drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, SeqId
 
 
 def ngram_draft(tokens: Sequence[int], n_max: int, min_n: int = 2, max_n: int = 8) -> list[int]:
@@ -84,7 +84,7 @@ class NgramIndex:
         return []
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafter: one incremental `NgramIndex` per sequence, dropped by `release`."""
 
     def __init__(self, min_n: int = 2, max_n: int = 8, name: str = "ngram"):

@@ -236,6 +236,31 @@ def observe_draft(
     return replace(state, stats={**state.stats, drafter: new})
 
 
+def _target_line(costs: Costs, params: PolicyParams, batch_size: int) -> tuple[float, float]:
+    """The target step's (fixed, per_token) cost line, the fixed part shared by batch_size sequences."""
+    step_fixed, per_token = costs.target.coefficients(
+        params.cost_ridge, params.target_token_prior, default=(1.0, params.target_token_prior)
+    )
+    return step_fixed / max(batch_size, 1), per_token
+
+
+def _best_option(name: str, alpha: float, config: SpeculativeConfig, costs: Costs, params: PolicyParams,
+                 target: tuple[float, float]) -> tuple[int, float]:
+    line = costs.proposals.get(name, LinearCost())
+    proposal = line.coefficients(params.cost_ridge, slope_prior=0.0, default=(0.0, 0.0))
+    return best_length(alpha, config.n_min, config.n_max, target, proposal)
+
+
+def planned_length(state: SequenceState, drafter: str, config: SpeculativeConfig, costs: Costs,
+                   params: PolicyParams, batch_size: int = 1) -> int:
+    """The draft length `plan_step` would give `drafter` now (from its plain acceptance estimate), or the longer
+    probe length when its estimate is below the prior: what a drafter computing its draft a step early should
+    make ready."""
+    stats = state.stats.get(drafter, DrafterStats())
+    alpha = max(acceptance(stats, params), params.prior_acceptance)
+    return _best_option(drafter, alpha, config, costs, params, _target_line(costs, params, batch_size))[0]
+
+
 def plan_step(
     state: SequenceState, config: SpeculativeConfig, costs: Costs, params: PolicyParams, batch_size: int = 1
 ) -> tuple[list[Choice], SequenceState]:
@@ -245,16 +270,11 @@ def plan_step(
     """
     step = state.step + 1
     stats = {name: state.stats.get(name, DrafterStats()) for name in config.drafters}
-    step_fixed, per_token = costs.target.coefficients(
-        params.cost_ridge, params.target_token_prior, default=(1.0, params.target_token_prior)
-    )
-    target = (step_fixed / max(batch_size, 1), per_token)
+    target = _target_line(costs, params, batch_size)
     no_draft_value = 1.0 / (target[0] + target[1])
 
     def options(name: str, alpha: float) -> tuple[int, float]:
-        line = costs.proposals.get(name, LinearCost())
-        proposal = line.coefficients(params.cost_ridge, slope_prior=0.0, default=(0.0, 0.0))
-        return best_length(alpha, config.n_min, config.n_max, target, proposal)
+        return _best_option(name, alpha, config, costs, params, target)
 
     planned = {name: options(name, acceptance(stats[name], params)) for name in config.drafters}  # (length, value)
     judged: dict[str | None, float] = {
@@ -325,6 +345,11 @@ class DrafterPolicy:
             self.sequences.get(seq_id, SequenceState()), config, self.costs, self.params, batch_size
         )
         return choices
+
+    def length(self, seq_id: SeqId, drafter: str, config: SpeculativeConfig, batch_size: int = 1) -> int:
+        """The draft length the sequence's next plan would give `drafter` (see `planned_length`)."""
+        state = self.sequences.get(seq_id, SequenceState())
+        return planned_length(state, drafter, config, self.costs, self.params, batch_size)
 
     def observe(self, seq_id: SeqId, drafter: str, drafted: int, accepted: int) -> None:
         """After verification: `accepted` of the `drafted` tokens that `drafter` proposed were accepted."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .base import Draft, DraftRequest, SeqId
+from .base import Draft, Drafter, DraftRequest, SeqId
 
 
 def corrupted_continuation(reference: Sequence[int], start: int, n: int, alpha: float, rng, vocab: int) -> list[int]:
@@ -24,7 +24,7 @@ def corrupted_continuation(reference: Sequence[int], start: int, n: int, alpha: 
     return out
 
 
-class SyntheticDrafter:
+class SyntheticDrafter(Drafter):
     name = "synthetic"
 
     def __init__(self, references: Sequence[Sequence[int]], *, alpha: float, vocab: int, seed: int = 0):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxmodel.kernels.gdn_chunked import gdn_chunked
 from jaxmodel.kernels.gdn_recurrent import gdn_recurrent
+from jaxmodel.state import read_planes
 
 # Implementations `gated_delta_rule(impl=...)` accepts; the chunked ones require final_only.
 IMPLEMENTATIONS = ("scan", "chunked", "pallas_recurrent", "pallas_chunked")
@@ -34,17 +35,6 @@ def tile_key_heads(x: jax.Array, n_value_heads: int) -> jax.Array:
     """[..., Hk, D] -> [..., Hv, D]: value head h uses key head h % Hk (GGUF's tiled order)."""
     n_key_heads = x.shape[-2]
     return jnp.tile(x, (1,) * (x.ndim - 2) + (n_value_heads // n_key_heads, 1))
-
-
-def read_planes(pool: jax.Array, planes: jax.Array) -> jax.Array:
-    """pool [N, ...] at planes [B] -> [B, ...].
-
-    A one-index gather becomes a slice that XLA fuses into several consumers; it then copies the whole pool
-    (twice) before updating it in place. Gathering the null plane beside it keeps the read a gather.
-    """
-    if planes.shape[0] == 1:
-        return pool[jnp.concatenate([planes, jnp.zeros_like(planes)])][:1]
-    return pool[planes]
 
 
 def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):

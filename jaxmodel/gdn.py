@@ -6,16 +6,10 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .delta_rule import gated_delta_rule, read_planes
+from .delta_rule import gated_delta_rule
 from .layers import l2_norm, linear, rms_norm
+from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
-
-
-def _scatter_planes(pool: jax.Array, targets: jax.Array, values: jax.Array) -> jax.Array:
-    """pool [N, ...] <- values [M, ...] at planes targets [M]; -1 targets are dropped (sent out of bounds, which
-    the scatter drops: no copy of the pool)."""
-    targets = jnp.where(targets < 0, pool.shape[0], targets)
-    return pool.at[targets].set(values.astype(pool.dtype), mode="drop")
 
 
 def gdn_mixer(
@@ -52,11 +46,11 @@ def gdn_mixer(
     if final_only:
         last = n_tokens - 1  # [B]
         after = jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t + 1, Kc - 1, axis=1))(window, last)
-        conv_pool = _scatter_planes(conv_pool, jnp.max(write_planes, axis=1), after)
+        conv_pool = scatter_planes(conv_pool, jnp.max(write_planes, axis=1), after)
     else:
         after = jnp.stack([window[:, :, j + 1 : j + 1 + T] for j in range(Kc - 1)], axis=-1)  # [B, C, T, Kc-1]
         after = jnp.swapaxes(after, 1, 2).reshape(B * T, -1, Kc - 1)
-        conv_pool = _scatter_planes(conv_pool, write_planes.reshape(B * T), after)
+        conv_pool = scatter_planes(conv_pool, write_planes.reshape(B * T), after)
 
     o = rms_norm(o, w.norm, cfg.norm_eps) * jax.nn.silu(z)
     return linear(o.reshape(B, T, Hv * Dk), w.out), conv_pool, ssm_pool

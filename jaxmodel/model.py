@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .gdn import gdn_mixer
 from .gguf_io import read_gguf, to_device
 from .layers import ffn, linear, paged_attention, rms_norm
-from .state import ModelState, Row, StepBatch, StepOutput, bucket, init_state, pack_batch
+from .state import ModelState, Row, StepBatch, StepOutput, bucket, init_state, pack_batch, scatter_planes
 from .weights import Layer, Mtp, Weights
 
 
@@ -58,7 +58,18 @@ def forward(
         x = _residual_ffn(layer, cfg, x + y)
     hidden = rms_norm(x, weights.output_norm, cfg.norm_eps)
     out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, weights.output), hidden=hidden)
-    return out, ModelState(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
+    new_state = ModelState(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm),
+                           hidden=_write_hidden(state.hidden, hidden, batch, final_only))
+    return out, new_state
+
+
+def _write_hidden(pool: jax.Array, hidden: jax.Array, batch: StepBatch, final_only: bool) -> jax.Array:
+    """The hidden pool [N, E] with each written plane holding the hidden [B, T, E] of its token."""
+    B, T, E = hidden.shape
+    if final_only:
+        last = jnp.take_along_axis(hidden, jnp.maximum(batch.n_tokens - 1, 0)[:, None, None], axis=1)[:, 0]
+        return scatter_planes(pool, jnp.max(batch.write_planes, axis=1), last)
+    return scatter_planes(pool, batch.write_planes.reshape(B * T), hidden.reshape(B * T, E))
 
 
 def _residual_ffn(layer: Layer, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -87,9 +98,8 @@ def mtp_forward(
     u = _residual_ffn(mtp.layer, cfg, u + y)
     hidden = rms_norm(u, mtp.head_norm, cfg.norm_eps)
     out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, mtp.head), hidden=hidden)
-    new_state = ModelState(
-        k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,), conv=state.conv, ssm=state.ssm
-    )
+    new_state = ModelState(k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,),
+                           conv=state.conv, ssm=state.ssm, hidden=state.hidden)
     return out, new_state
 
 

@@ -43,11 +43,11 @@ class SamplingParams:
         columns = [np.asarray(v) for v in (temperature, top_p, top_k, seed)]
         rows = batch if batch is not None else max(c.size if c.ndim else 1 for c in columns)
         temperature, top_p, top_k, seed = (np.broadcast_to(c, (rows,)) for c in columns)
-        return cls(
-            temperature=jnp.asarray(temperature, jnp.float32),
-            top_p=jnp.asarray(top_p, jnp.float32),
-            top_k=jnp.asarray(top_k, jnp.int32),
-            seed=jnp.asarray(np.asarray(seed, np.int64) & 0xFFFFFFFF, jnp.uint32),
+        return cls(  # numpy, not jnp: built on the host every step, no eager device op
+            temperature=np.asarray(temperature, np.float32),
+            top_p=np.asarray(top_p, np.float32),
+            top_k=np.asarray(top_k, np.int32),
+            seed=(np.asarray(seed, np.int64) & 0xFFFFFFFF).astype(np.uint32),
         )
 
 

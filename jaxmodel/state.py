@@ -26,6 +26,9 @@ class ModelState:
     v_pages: tuple[jax.Array, ...]
     conv: tuple[jax.Array, ...]  # per GDN layer: [n_planes, C, Kc-1] raw pre-conv inputs, oldest first
     ssm: tuple[jax.Array, ...]  # per GDN layer: [n_planes, Hv, Dk, Dv] float32
+    # [n_planes, E] the target's post-norm hidden after the plane's last token: what the MTP block pairs with the
+    # next token. Kept beside the GDN state so that every rollback moves it too.
+    hidden: jax.Array
 
     @property
     def n_pages(self) -> int:
@@ -66,9 +69,9 @@ def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype=jnp.float32) -> in
 
 
 def bytes_per_plane(cfg: ModelConfig) -> int:
-    """Conv and SSM state bytes of one plane across all GDN layers (float32)."""
+    """Conv and SSM state bytes of one plane across all GDN layers, plus its hidden row (float32)."""
     per_layer = cfg.conv_channels * (cfg.conv_kernel - 1) + cfg.ssm_heads * cfg.ssm_state * cfg.ssm_state
-    return 4 * per_layer * len(cfg.gdn_layers)
+    return 4 * (per_layer * len(cfg.gdn_layers) + cfg.n_embd)
 
 
 def init_state(cfg: ModelConfig, n_pages: int, n_planes: int, page_size: int = 16, kv_dtype=jnp.float32) -> ModelState:
@@ -81,7 +84,26 @@ def init_state(cfg: ModelConfig, n_pages: int, n_planes: int, page_size: int = 1
         v_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(attn_layers)),
         conv=tuple(jnp.zeros((n_planes, cfg.conv_channels, cfg.conv_kernel - 1), jnp.float32) for _ in range(n_gdn)),
         ssm=tuple(jnp.zeros((n_planes, cfg.ssm_heads, cfg.ssm_state, cfg.ssm_state), jnp.float32) for _ in range(n_gdn)),
+        hidden=jnp.zeros((n_planes, cfg.n_embd), jnp.float32),
     )
+
+
+def scatter_planes(pool: jax.Array, targets: jax.Array, values: jax.Array) -> jax.Array:
+    """pool [N, ...] <- values [M, ...] at planes targets [M]; -1 targets are dropped (sent out of bounds, which
+    the scatter drops: no copy of the pool)."""
+    targets = jnp.where(targets < 0, pool.shape[0], targets)
+    return pool.at[targets].set(values.astype(pool.dtype), mode="drop")
+
+
+def read_planes(pool: jax.Array, planes: jax.Array) -> jax.Array:
+    """pool [N, ...] at planes [B] -> [B, ...].
+
+    A one-index gather becomes a slice that XLA fuses into several consumers; it then copies the whole pool
+    (twice) before updating it in place. Gathering the null plane beside it keeps the read a gather.
+    """
+    if planes.shape[0] == 1:
+        return pool[jnp.concatenate([planes, jnp.zeros_like(planes)])][:1]
+    return pool[planes]
 
 
 def bucket(n: int, minimum: int = 1, base: int = 2) -> int:

@@ -19,18 +19,16 @@ from dataclasses import dataclass, field
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
+from drafters import standard_drafters
 from drafters.base import DraftRequest, Drafter
-from drafters.draft_model import DraftModelDrafter
-from drafters.mtp import MtpDrafter
-from drafters.ngram import NgramDrafter
 from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
 from jaxmodel.model import Model
+from jaxmodel.runtime import Runtime, Sampling, Shapes, StepRow
 from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
 
 from .core import Scheduler
 from .memory import MemoryManager, pages_for, pool_sizes
-from .runner import Runner, Sampling, Shapes, VerifyRow
-from .types import Committed, DoneEvent, Event, Request, StepPlan, TokensEvent
+from .types import Committed, DoneEvent, Event, Request, Row, StepPlan, TokensEvent
 
 
 @dataclass(frozen=True)
@@ -113,7 +111,8 @@ class Engine:
             max_logit_rows=1 + n_max,
             pages_per_row=pages_for(max_model_len + n_max + 1, page_size),
         )
-        self.runner = Runner(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size, shapes=shapes)
+        self.runtime = Runtime(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size,
+                               shapes=shapes, n_chain_max=n_max if model.has_mtp else 0)  # fmt: skip
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(
@@ -122,53 +121,41 @@ class Engine:
         )  # fmt: skip
         self.stop_token_ids = frozenset(tokenizer.eog_ids) if tokenizer is not None else frozenset()
         self.policy = DrafterPolicy(policy_params or PolicyParams())
-        self.drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
-        if model.has_mtp:
-            self.drafters["mtp"] = MtpDrafter(self.runner, self._pages_of)
-        if draft_model is not None:
-            self.drafters["draft_model"] = DraftModelDrafter(
-                draft_model, max_seqs=max_running, max_context=max_model_len, n_max=n_max, page_size=page_size
-            )
-        for drafter in extra_drafters:
-            self.drafters[drafter.name] = drafter
+        drafters = standard_drafters(model, draft_model, max_seqs=max_running, max_context=max_model_len,
+                                     n_max=n_max, page_size=page_size)  # fmt: skip
+        self.drafters: dict[str, Drafter] = {d.name: d for d in [*drafters, *extra_drafters]}
         self.n_max = n_max
         self.adaptive = adaptive
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
-        self._plan_pages: dict = {}  # seq id -> KV pages, for the step in progress (the MTP drafter reads them)
         self._inbox_send, self._inbox = anyio.create_memory_object_stream(math.inf)
         self.steps = 0
 
     # ------------------------------------------------------------------------------------------------ the step
 
-    def _pages_of(self, seq_id) -> Sequence[int]:
-        return self._plan_pages[seq_id]
-
     def step(self) -> list[Event]:
-        """One scheduler step, synchronously: schedule, draft, run, verify, commit. Returns the events."""
+        """One scheduler step, synchronously: schedule, draft, run (forward, verification and the next on-device
+        drafts in one device call), commit. Returns the events."""
         plan = self.scheduler.schedule()
         if not plan.rows:
             return []
-        self._plan_pages = {row.seq_id: row.pages for row in plan.rows}
         start = time.perf_counter()
         for row in plan.rows:
             if row.params.timing.scheduled is None:
                 row.params.timing.scheduled = start
         plan = self._attach_drafts(plan)
+        rows = [self._step_row(row, len(plan.rows)) for row in plan.rows]
         start = time.perf_counter()
-        results = self.runner.step(
-            [VerifyRow(row, row.drafts, None, row.params.sampling) for row in plan.rows]
-        )
+        results = self.runtime.step(rows)
         self.policy.record_target(time.perf_counter() - start, plan.n_tokens)
         committed = {}
-        mtp = self.drafters.get("mtp")
         for row, result in zip(plan.rows, results):
-            kept = len(row.fed) + result.n_accepted if row.needs_logits else len(row.fed)
-            if mtp is not None and _wants(row.params, "mtp"):
-                mtp.record(row.seq_id, row.start, result.hidden[:kept])
             if not row.needs_logits:
                 continue
             committed[row.seq_id] = Committed(tuple(result.committed), result.n_accepted)
+            n_tokens = row.start + len(row.fed) + len(result.committed)
+            for drafter in self._drafters_of(row):
+                drafter.after_step(row.seq_id, n_tokens, result)
             if row.drafter is not None:
                 self.drafters[row.drafter].observe(row.seq_id, result.n_accepted, result.committed)
                 self.policy.observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted)
@@ -178,6 +165,21 @@ class Engine:
                 self._release(event.seq_id)
         self.steps += 1
         return events
+
+    def _drafters_of(self, row: Row) -> list[Drafter]:
+        config = row.params.speculative
+        return [self.drafters[name] for name in config.drafters if name in self.drafters] if config else []
+
+    def _step_row(self, row: Row, batch_size: int) -> StepRow:
+        """The runtime's view of a plan row: its drafts, sampling, and the drafts to chain on device for its
+        next step (as long as the policy would plan for each drafter that chains on device)."""
+        config = row.params.speculative
+        n_chain = -1
+        for drafter in self._drafters_of(row):
+            n_next = self.policy.length(row.seq_id, drafter.name, config, batch_size) if self.adaptive else config.n_max
+            n_chain = max(n_chain, drafter.device_chain(row.seq_id, min(n_next, self.n_max)))
+        p_min = config.p_min if config else 0.0
+        return StepRow(row, row.drafts, row.params.sampling, n_chain, p_min)
 
     def _attach_drafts(self, plan: StepPlan) -> StepPlan:
         """Per sequence, the policy's drafters in order; each round batches the sequences still without a draft
@@ -219,8 +221,7 @@ class Engine:
 
     def warmup(self) -> int:
         """Compile every step shape this engine can run before serving; returns how many compiled."""
-        draft = self.drafters.get("draft_model")
-        return self.runner.warmup() + (draft.warmup() if draft is not None else 0)
+        return self.runtime.warmup() + sum(drafter.warmup() for drafter in self.drafters.values())
 
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():
@@ -315,6 +316,3 @@ class Engine:
                 self._outputs.pop(seq_id, None)
                 self._inbox_send.send_nowait(("abort", seq_id))
 
-
-def _wants(params: _Params, drafter: str) -> bool:
-    return params.speculative is not None and drafter in params.speculative.drafters

@@ -8,10 +8,9 @@ from conftest import DATA, plain_greedy
 
 from drafters.base import DraftRequest
 from drafters.draft_model import DraftModelDrafter, check_same_vocab
-from drafters.mtp import MtpDrafter
 from jaxmodel import load_model
+from jaxmodel.runtime import Runtime, StepRow
 from jaxmodel.state import Row
-from scheduler.runner import Runner, VerifyRow
 
 
 @pytest.fixture(scope="module")
@@ -19,27 +18,42 @@ def target():
     return load_model(DATA / "tiny-qwen35-mtp.gguf")
 
 
-def test_mtp_drafts_follow_the_mtp_chain(target):
-    """Catch-up with the target's hidden states, then chaining on the MTP's own hidden state (SPEC §6.2)."""
+@pytest.mark.parametrize("chunks", [(19,), (7, 12), (1, 17, 1)])
+def test_mtp_drafts_follow_the_mtp_chain(target, chunks):
+    """In the target's step the MTP head catches up with the target's hidden states (over prompt chunks, whose
+    boundaries take h_{s-1} from the hidden pool), then chains on its own hidden state."""
     rng = np.random.default_rng(3)
-    tokens = [int(t) for t in rng.integers(0, 509, 20)]
-    runner = Runner(target, n_pages=4, n_planes=3)
-    pages = [1, 2]
-    drafter = MtpDrafter(runner, lambda seq_id: pages)
-    # The target computes tokens[:-1]; tokens[-1] is `last`, not yet computed.
-    out = runner.step([VerifyRow(Row(tokens[:-1], 0, pages, 0, [-1] * 18 + [1], range(19)))])[0]
-    drafter.record("s", 0, out.hidden)
-    draft = drafter.propose([DraftRequest("s", tokens, n_max=3)])[0].tokens
+    tokens = [int(t) for t in rng.integers(0, 509, sum(chunks))]
+    runtime = Runtime(target, n_pages=4, n_planes=4, n_chain_max=3)
+    pages, start, read = [1, 2], 0, 0
+    for i, n in enumerate(chunks):
+        last = i == len(chunks) - 1
+        write = 1 + i % 3
+        row = Row(tokens[start : start + n], start, pages, read, [-1] * (n - 1) + [write], [n - 1] if last else [])
+        result = runtime.step([StepRow(row, n_chain=3 if last else 0)])[0]
+        start, read = start + n, write
+    bonus = result.committed[0]
 
-    _, hidden = target.score(tokens[:-1])
-    pairs_hidden = np.concatenate([np.zeros_like(hidden[:1]), hidden])  # h_{t-1} for t = 0..n
-    expected, chain_tokens, chain_hidden = [], list(tokens), pairs_hidden
+    logits, hidden = target.score(tokens)
+    assert bonus == int(logits[-1].argmax())
+    chain_tokens = tokens + [bonus]
+    chain_hidden = np.concatenate([np.zeros_like(hidden[:1]), hidden])  # h_{t-1} for t = 0..n
+    expected = []
     for _ in range(3):
-        logits, mtp_hidden = target.score_mtp(chain_tokens, chain_hidden)
-        expected.append(int(logits[-1].argmax()))
+        mtp_logits, mtp_hidden = target.score_mtp(chain_tokens, chain_hidden)
+        expected.append(int(mtp_logits[-1].argmax()))
         chain_tokens = chain_tokens + [expected[-1]]
         chain_hidden = np.concatenate([chain_hidden, mtp_hidden[-1:]])
-    assert draft == expected
+    assert result.next_drafts == expected
+
+
+def test_mtp_chain_stops_below_p_min(target):
+    rng = np.random.default_rng(4)
+    tokens = [int(t) for t in rng.integers(0, 509, 9)]
+    runtime = Runtime(target, n_pages=4, n_planes=3, n_chain_max=4)
+    row = Row(tokens, 0, [1, 2], 0, [-1] * 8 + [1], [8])
+    assert runtime.step([StepRow(row, n_chain=4, p_min=1.0)])[0].next_drafts == []
+    assert runtime.step([StepRow(row, n_chain=-1)])[0].next_drafts == []
 
 
 def test_draft_model_drafts_its_greedy_continuation_across_rollbacks(target):

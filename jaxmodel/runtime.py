@@ -1,0 +1,236 @@
+"""The device executor: owns a model's state pools, pads host rows into a few compiled shapes, and runs one jitted
+call per step (`jaxmodel.speculative`): the target's forward, verification and the next MTP drafts, or a draft
+model's whole chain. Inputs are built with numpy; the host reads back only small arrays.
+
+Synchronous and single-threaded: the engine calls it from one worker thread at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+
+from .config import ModelConfig
+from .delta_rule import CPU_CHUNKED_MIN_TOKENS
+from .model import Model
+from .sampling import SamplingParams
+from .speculative import ChainInputs, VerifyInputs, draft_chain, speculative_step
+from .state import Row, StepOutput, bucket, pack_batch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling settings (temperature 0: greedy)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """A row of a target step plus what verification and MTP drafting need.
+
+    `row.logit_rows` must be the indices of `last` and of each draft among the fed tokens (empty: nothing is
+    committed, e.g. an intermediate prompt chunk). n_chain: -1 leaves the MTP head alone, 0 has it catch up on the
+    committed tokens, n > 0 also chains up to n drafts for the next step, stopping below p_min.
+    """
+
+    row: Row
+    drafts: Sequence[int] = ()
+    sampling: Sampling = field(default_factory=Sampling)
+    n_chain: int = -1
+    p_min: float = 0.0
+
+
+@dataclass(frozen=True)
+class RowResult:
+    n_accepted: int
+    committed: list[int]  # accepted drafts + one token from the target; empty when nothing was committed
+    next_drafts: list[int]  # the MTP head's drafts continuing after `committed`
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Which padded shapes a runtime compiles, kept few because each is a compile.
+
+    Rows and tokens per row are bucketed by powers of 4 (on CPU a matmul of 2 rows costs about what 4 do); every
+    row has the page table of a full-length sequence, so the page count adds no shapes (attention's cost follows
+    the live context, not the table's width). Logits come for every row of a short step (T <= 16: verification
+    wants them all), and for long steps (prompt chunks) either for one row (a prefill-only step, which also takes
+    the chunked GDN form) or for as many as a draft can need (prompt chunks batched with decoding sequences).
+    """
+
+    max_rows: int  # sequences per step
+    max_tokens: int  # tokens per row (a prompt chunk, or replays + last + drafts)
+    max_logit_rows: int  # 1 + the longest draft
+    pages_per_row: int
+
+    def batch(self, n_rows: int) -> int:
+        return min(bucket(n_rows, base=4), bucket(self.max_rows, base=4))
+
+    def tokens(self, n_tokens: int) -> int:
+        return min(bucket(n_tokens, base=4), self.max_tokens)
+
+    def is_long(self, T: int) -> bool:
+        return T >= CPU_CHUNKED_MIN_TOKENS
+
+    def logit_rows(self, T: int, final_only: bool) -> int:
+        return 1 if final_only else min(T, bucket(self.max_logit_rows, base=4))
+
+    def grid(self):
+        """Every (B, T, R, final_only) a target step can take."""
+        Bs = sorted({self.batch(n) for n in range(1, self.max_rows + 1)})
+        Ts = sorted({self.tokens(n) for n in range(1, self.max_tokens + 1)})
+        for B, T in itertools.product(Bs, Ts):
+            for final_only in (False, True) if self.is_long(T) else (False,):
+                yield B, T, self.logit_rows(T, final_only), final_only
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(cfg: ModelConfig):
+    """The jitted step and chain of a config, shared by every runtime of it (so their compilations are too)."""
+    step = jax.jit(functools.partial(speculative_step, cfg=cfg), static_argnames=("final_only", "n_max"),
+                   donate_argnames="state")  # fmt: skip
+    chain = jax.jit(functools.partial(draft_chain, cfg=cfg), static_argnames="n_max", donate_argnames="state")
+    return step, chain
+
+
+class Runtime:
+    """A model + its device state. `n_pages`/`n_planes` include the trash page and the null plane.
+
+    n_chain_max: the longest draft chain a step computes on device (the MTP head's for a target, the whole chain
+    for a draft model); 0 for none.
+    """
+
+    def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,
+                 shapes: Shapes | None = None, n_chain_max: int = 0):
+        self.model = model
+        self.page_size = page_size
+        self.shapes = shapes
+        self.n_chain_max = n_chain_max
+        self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size)
+        self._step, self._chain = _compiled(model.cfg)
+
+    @property
+    def mtp_chain_max(self) -> int:
+        return self.n_chain_max if self.model.has_mtp else 0
+
+    def _pack(self, rows: Sequence[Row], prefill_only: bool):
+        """The padded batch, and whether it runs as final-only (long prefill-only steps)."""
+        if self.shapes is None:
+            return pack_batch(rows), prefill_only
+        T = self.shapes.tokens(max(len(r.tokens) for r in rows))
+        final_only = prefill_only and self.shapes.is_long(T)
+        R = self.shapes.logit_rows(T, final_only)
+        return pack_batch(rows, B=self.shapes.batch(len(rows)), T=T, P=self.shapes.pages_per_row, R=R), final_only
+
+    def forward(self, rows: Sequence[Row], *, prefill_only: bool = False) -> StepOutput:
+        """The model's plain forward (no verification). prefill_only: each row writes at most its final state and
+        wants at most its last token's logits."""
+        batch, final_only = self._pack(rows, prefill_only)
+        out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=final_only)
+        return out
+
+    def step(self, rows: Sequence[StepRow]) -> list[RowResult]:
+        """One target step over all rows: forward, verification and MTP drafting in one device call."""
+        prefill_only = all(
+            list(r.row.logit_rows) in ([], [len(r.row.tokens) - 1]) and all(w < 0 for w in r.row.write_planes[:-1])
+            for r in rows
+        )
+        batch, final_only = self._pack([r.row for r in rows], prefill_only)
+        verify_in, chain = self._step_inputs(rows, batch.tokens.shape[0], batch.logit_rows.shape[1])
+        out, self.state = self._step(self.model.weights, batch=batch, state=self.state, verify_in=verify_in,
+                                     chain=chain, final_only=final_only, n_max=self.mtp_chain_max)  # fmt: skip
+        n_accepted, tokens, drafts, n_drafted = jax.device_get((out.n_accepted, out.tokens, out.drafts, out.n_drafted))
+        results = []
+        for b, r in enumerate(rows):
+            if not r.row.logit_rows:
+                results.append(RowResult(0, [], []))
+                continue
+            a = int(n_accepted[b])
+            results.append(RowResult(a, tokens[b, : a + 1].tolist(), drafts[b, : n_drafted[b]].tolist()))
+        return results
+
+    @staticmethod
+    def _step_inputs(rows: Sequence[StepRow], B: int, R: int) -> tuple[VerifyInputs, ChainInputs]:
+        drafts = np.zeros((B, R - 1), np.int32)
+        n_drafts = np.zeros((B,), np.int32)
+        positions = np.zeros((B,), np.int32)
+        commits = np.zeros((B,), bool)
+        n_chain = np.full((B,), -1, np.int32)
+        p_min = np.zeros((B,), np.float32)
+        temperature, top_p = np.zeros((B,), np.float32), np.ones((B,), np.float32)
+        top_k, seed = np.zeros((B,), np.int32), np.zeros((B,), np.uint32)
+        for b, r in enumerate(rows):
+            d = len(r.drafts)
+            drafts[b, :d] = r.drafts
+            n_drafts[b] = d
+            if r.row.logit_rows:
+                positions[b] = r.row.start + r.row.logit_rows[0] + 1
+                commits[b] = True
+            n_chain[b], p_min[b] = r.n_chain, r.p_min
+            s = r.sampling
+            temperature[b], top_p[b], top_k[b], seed[b] = s.temperature, s.top_p, s.top_k, s.seed & 0xFFFFFFFF
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        return VerifyInputs(drafts, n_drafts, positions, commits, params), ChainInputs(n_chain, p_min)
+
+    def chain(self, rows: Sequence[Row], chain_planes: Sequence[Sequence[int]], n_chain: Sequence[int],
+              p_min: Sequence[float]) -> list[list[int]]:
+        """A draft model's greedy chains, one device call: each row feeds its backlog ending with `last` (one logit
+        row, at `last`, writing chain_planes[b][0]); draft k is fed reading chain_planes[b][k-1] and writing
+        chain_planes[b][k]. Returns each row's drafts (at most n_chain[b], fewer where a draft's probability falls
+        below p_min[b])."""
+        batch, _ = self._pack(rows, prefill_only=True)
+        B, n = batch.tokens.shape[0], self.n_chain_max
+        planes = np.full((B, n), -1, np.int32)
+        wanted = np.zeros((B,), np.int32)
+        floor = np.zeros((B,), np.float32)
+        for b in range(len(rows)):
+            planes[b, : len(chain_planes[b][:n])] = chain_planes[b][:n]
+            wanted[b], floor[b] = n_chain[b], p_min[b]
+        drafts, n_drafted, self.state = self._chain(self.model.weights, batch=batch, state=self.state,
+                                                    chain_planes=planes, n_chain=wanted, p_min=floor, n_max=n)
+        drafts, n_drafted = jax.device_get((drafts, n_drafted))
+        return [drafts[b, : n_drafted[b]].tolist() for b in range(len(rows))]
+
+    def warmup(self) -> int:
+        """Compile every step shape of `self.shapes` with all-padding batches (which read the null plane and write
+        nothing); returns how many shapes compiled."""
+        if self.shapes is None:
+            return 0
+        n = 0
+        for B, T, R, final_only in self.shapes.grid():
+            batch = pack_batch([], B=B, T=T, P=self.shapes.pages_per_row, R=R)
+            verify_in, chain = self._step_inputs([], B, R)
+            out, self.state = self._step(self.model.weights, batch=batch, state=self.state, verify_in=verify_in,
+                                         chain=chain, final_only=final_only, n_max=self.mtp_chain_max)  # fmt: skip
+            n += 1
+        jax.block_until_ready(out.tokens)
+        return n
+
+    def warmup_chain(self) -> int:
+        """Compile a draft model's chain and catch-up shapes; returns how many compiled."""
+        if self.shapes is None:
+            return 0
+        n = 0
+        Bs = sorted({self.shapes.batch(k) for k in range(1, self.shapes.max_rows + 1)})
+        Ts = sorted({self.shapes.tokens(k) for k in range(1, self.shapes.max_tokens + 1)})
+        for B, T in itertools.product(Bs, Ts):
+            batch = pack_batch([], B=B, T=T, P=self.shapes.pages_per_row, R=1)
+            zeros = np.zeros((B,), np.int32)
+            drafts, _, self.state = self._chain(self.model.weights, batch=batch, state=self.state,
+                                                chain_planes=np.full((B, self.n_chain_max), -1, np.int32),
+                                                n_chain=zeros, p_min=zeros.astype(np.float32), n_max=self.n_chain_max)
+            n += 1
+            if self.shapes.is_long(T):
+                out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=True)
+                n += 1
+        jax.block_until_ready(drafts)
+        return n
