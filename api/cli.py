@@ -223,6 +223,18 @@ def _bench(args) -> int:
         from bench.engine import main as bench_engine
 
         bench_engine(args.rest)
+    elif args.what == "peer":
+        from bench.peer import main as bench_peer
+
+        bench_peer(args.rest)
+    elif args.what == "attention":
+        from bench.attention import main as bench_attention
+
+        bench_attention(args.rest)
+    elif args.what == "speculation":
+        from bench.speculation import main as bench_speculation
+
+        bench_speculation(args.rest)
     return 0
 
 
@@ -273,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.set_defaults(func=_make_random)
 
-    p = sub.add_parser("bench", help="benchmarks: bench step --model M | bench engine --model M")
-    p.add_argument("what", choices=["step", "engine"])
+    p = sub.add_parser("bench", help="benchmarks: bench step|engine|speculation|peer|attention --model M ...")
+    p.add_argument("what", choices=["step", "engine", "speculation", "peer", "attention"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     return parser

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .attention import attend
 from .config import ModelConfig
 from .weights import Attention, DenseFfn, MoeFfn
 
@@ -57,7 +58,9 @@ def paged_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gated causal attention over a paged KV cache (SPEC §4.1). Writes this step's K/V, then attends.
 
-    Padding tokens write into page 0, the trash page. Returns y [B, T, E] and the updated pages.
+    Padding tokens write into page 0, the trash page. Only pages up to the batch's last live position are read
+    (`jaxmodel.attention`), so the width P of the page table costs nothing. Returns y [B, T, E] and the updated
+    pages.
     """
     B, T, _ = x.shape
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -75,15 +78,7 @@ def paged_attention(
     k_pages = k_pages.at[page, slot].set(k.astype(k_pages.dtype))
     v_pages = v_pages.at[page, slot].set(v.astype(v_pages.dtype))
 
-    keys = k_pages[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)  # [B, S, Hkv, D]
-    values = v_pages[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)
-    q = q.reshape(B, T, Hkv, H // Hkv, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) * (D**-0.5)
-    key_pos = jnp.arange(keys.shape[1])
-    causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, H * D)
+    out = attend(q, k_pages, v_pages, page_table, positions, valid).reshape(B, T, H * D)
     out = out * jax.nn.sigmoid(gate.reshape(B, T, H * D))
     return linear(out, w.o), k_pages, v_pages
 

@@ -1,0 +1,140 @@
+"""Does speculation pay? The engine on a real GGUF (default: the bundled model), greedy, code prompts: tokens/s of
+plain decoding and of each drafter set, one stream and many, every speculative run checked token for token against
+the plain run. Writes JSON.
+
+    gdnspec bench speculation --out bench/results/speculation-cpu.json
+    gdnspec bench speculation --max-model-len 8192 --streams 16 --out bench/results/speculation-8k.json
+
+Every cell is compiled before it is timed (the engine's warm-up), and each cell runs `--repeats` times; the
+median is reported with the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import anyio
+import jax
+
+from drafters.policy import SpeculativeConfig
+from jaxmodel import load_model
+from jaxmodel.tokenizer import load_tokenizer
+from scheduler.engine import Engine, GenerationRequest
+from scheduler.types import DoneEvent, TokensEvent
+
+from .prompts import load_prompt_set
+
+ASSETS = os.path.join(os.path.dirname(__file__), "..", "jaxmodel", "assets")
+DEFAULT_MODEL = os.path.join(ASSETS, "gdnspec-stdlib-target-q8_0.gguf")
+
+
+async def _stream(engine: Engine, request: GenerationRequest) -> dict:
+    tokens, drafted, accepted = [], 0, 0
+    async for event in engine.generate(request):
+        if isinstance(event, TokensEvent):
+            tokens += event.token_ids
+        elif isinstance(event, DoneEvent):
+            drafted = sum(s.drafted for s in event.drafters.values())
+            accepted = sum(s.accepted for s in event.drafters.values())
+    return {"tokens": tokens, "drafted": drafted, "accepted": accepted}
+
+
+async def _run(engine: Engine, requests: list[GenerationRequest], streams: int) -> dict:
+    """`requests` with at most `streams` in flight; returns tokens per request, wall time and draft counts."""
+    results: list[dict | None] = [None] * len(requests)
+    limiter = anyio.Semaphore(streams)
+
+    async def one(i: int) -> None:
+        async with limiter:
+            results[i] = await _stream(engine, requests[i])
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    wall = time.perf_counter() - start
+    n = sum(len(r["tokens"]) for r in results)
+    return {"tokens": [r["tokens"] for r in results], "wall_s": wall, "tokens_per_s": n / wall,
+            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results)}
+
+
+def run(args) -> dict:
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    prompts = [tuple(tokenizer.encode(p)) for p in load_prompt_set(args.prompts)]
+    streams = [int(s) for s in args.streams.split(",")]
+    policies = [p for p in args.drafters.split(";")]
+    out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
+           "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+           "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
+           "adaptive": not args.fixed_policy, "repeats": args.repeats, "cells": []}  # fmt: skip
+
+    async def main():
+        engine = Engine(model, tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20),
+                        max_running=max(streams), max_model_len=args.max_model_len, n_max=args.n_max,
+                        adaptive=not args.fixed_policy)  # fmt: skip
+        start = time.perf_counter()
+        shapes = engine.warmup()
+        out["warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - start}
+        async with engine:
+            for n_streams in streams:
+                plain_tokens = None
+                for policy in policies:
+                    drafters = tuple(d for d in policy.split(",") if d and d != "plain")
+                    spec = SpeculativeConfig(drafters, n_max=args.n_max) if drafters else None
+                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
+                    if n_streams > len(requests):
+                        requests = [requests[i % len(requests)] for i in range(n_streams)]
+                    runs = [await _run(engine, requests, n_streams) for _ in range(args.repeats)]
+                    if plain_tokens is None and not drafters:
+                        plain_tokens = runs[0]["tokens"]
+                    if plain_tokens is not None and any(r["tokens"] != plain_tokens for r in runs):
+                        raise AssertionError(f"{policy} at {n_streams} streams: output differs from plain")
+                    rates = [r["tokens_per_s"] for r in runs]
+                    cell = {"streams": n_streams, "drafters": list(drafters) or ["plain"],
+                            "tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+                            "drafted": runs[-1]["drafted"], "accepted": runs[-1]["accepted"],
+                            "generated": sum(len(t) for t in runs[-1]["tokens"])}  # fmt: skip
+                    out["cells"].append(cell)
+                    print(f"{n_streams:3d} streams {policy:12s}: {cell['tokens_per_s']:8.1f} tokens/s "
+                          f"[{cell['min']:.1f}, {cell['max']:.1f}]  drafted {cell['drafted']}, accepted "
+                          f"{cell['accepted']} of {cell['generated']} tokens", flush=True)  # fmt: skip
+        base = {c["streams"]: c["tokens_per_s"] for c in out["cells"] if c["drafters"] == ["plain"]}
+        for cell in out["cells"]:
+            if cell["streams"] in base:
+                cell["vs_plain"] = cell["tokens_per_s"] / base[cell["streams"]]
+
+    anyio.run(main)
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--out", default=None, help="write JSON results here")
+    parser.add_argument("--prompts", default="code", help="a named prompt set or a file (see bench/prompts.py)")
+    parser.add_argument("--streams", default="1,16", help="concurrent streams, comma-separated")
+    parser.add_argument("--drafters", default="plain;mtp;ngram;mtp,ngram",
+                        help="drafter sets separated by ';' (plain: none)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--n-max", type=int, default=3)
+    parser.add_argument("--budget-mb", type=float, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fixed-policy", action="store_true", help="draft n_max with the first drafter always")
+    args = parser.parse_args(argv)
+    results = run(args)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

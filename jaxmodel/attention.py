@@ -1,0 +1,98 @@
+"""Causal attention over the paged KV cache (SPEC-qwen35 §4.1), costing what the live context costs.
+
+This module is the one place that chooses how attention over pages runs; `layers.paged_attention` calls
+`attend` and never an implementation directly. Every row carries the page table of a full-length sequence
+(`Shapes` in jaxmodel/runtime.py), so reading the whole table would make a step cost --max-model-len; both
+implementations stop at the last live page instead, with a bound computed on device (no new shapes).
+The specification they are tested against is `jaxmodel.kernels.paged_attention.paged_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmodel.kernels.paged_attention import (
+    MASK_VALUE,
+    live_pages,
+    paged_attention_kernel,
+    paged_attention_reference,
+)
+
+# Implementations `attend(impl=...)` accepts: the full-table form, the jnp loop over blocks of pages, the kernel.
+IMPLEMENTATIONS = ("reference", "blocked", "pallas")
+# Pages per iteration of the jnp loop, measured on CPU (see `attention_blocked`).
+PAGES_PER_BLOCK = 8
+# On GPU the kernel takes steps of up to this many query tokens per row (decode and verify); longer prefill
+# chunks use the jnp loop, whose [T, keys] score blocks the kernel would have to hold per program.
+GPU_KERNEL_MAX_TOKENS = 16
+# Benchmarks set this (and PAGES_PER_BLOCK) to force an implementation in a model step; read when it is traced.
+FORCE_IMPL: str | None = None
+
+
+def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, pages_per_block: int = PAGES_PER_BLOCK):
+    """Flash-style attention over blocks of pages, up to the last live page of the batch.
+
+    q [B, T, H, D] roped; k_pages, v_pages [N, S, Hkv, D]; page_table [B, P]; positions, valid [B, T]
+    -> [B, T, H, D] float32, equal to the reference on valid tokens.
+    The loop runs ceil(max live pages / pages_per_block) times: the longest valid row sets it, padding rows
+    (n_tokens = 0) never do. Each block gathers [B, pages_per_block * S] keys and updates a running max,
+    sum and accumulator.
+    pages_per_block, measured on this project's shared 2-core CPU (bench/attention.py, results in
+    bench/results/attention-cpu.json): attention alone, 16 rows (4 of them padding) of ~100 tokens, T = 1,
+    page tables for max_model_len 8192, ms for 4 / 8 / 16 pages: 0.52 / 0.36 / 0.54 at the bundled model's
+    heads (H=4, Hkv=2, D=32), 2.9 / 1.4 / 3.7 at Qwen3.5-0.8B's (H=8, Hkv=2, D=256); the full table 84 and 589.
+    """
+    B, T, H, D = q.shape
+    page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    block = min(pages_per_block, page_table.shape[1])
+    block_keys = block * page_size
+    table = jnp.pad(page_table, ((0, 0), (0, -page_table.shape[1] % block)))  # [B, Pp]
+    n_blocks = (jnp.max(live_pages(positions, valid, page_size)) + block - 1) // block
+    q = q.reshape(B, T, n_kv_heads, H // n_kv_heads, D)
+    k_pages, v_pages = jnp.asarray(k_pages), jnp.asarray(v_pages)  # numpy pools cannot take traced indices
+
+    def step(j, carry):
+        m, l, acc = carry  # [B, Hkv, G, T], [B, Hkv, G, T], [B, Hkv, G, T, D]
+        pages = jax.lax.dynamic_slice_in_dim(table, j * block, block, axis=1)  # [B, PB]
+        keys = k_pages[pages].reshape(B, block_keys, n_kv_heads, D).astype(jnp.float32)  # [B, PB*S, Hkv, D]
+        values = v_pages[pages].reshape(B, block_keys, n_kv_heads, D).astype(jnp.float32)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) * (D**-0.5)
+        key_pos = j * block_keys + jnp.arange(block_keys)
+        causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, PB*S]
+        scores = jnp.where(causal[:, None, None], scores, MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(scores, axis=-1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.exp(scores - m_next[..., None])
+        acc = correction[..., None] * acc + jnp.einsum("bkgts,bskd->bkgtd", p, values)
+        return m_next, correction * l + jnp.sum(p, axis=-1), acc
+
+    stats = (B, n_kv_heads, H // n_kv_heads, T)
+    init = (jnp.full(stats, MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros(stats + (D,), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, step, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, Hkv, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def choose_implementation(backend: str, n_tokens: int) -> str:
+    """The implementation `attend` runs for this backend ("cpu", "gpu", ...) and tokens per row."""
+    if backend == "gpu" and n_tokens <= GPU_KERNEL_MAX_TOKENS:
+        return "pallas"
+    return "blocked"
+
+
+def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | None = None):
+    """Shapes as `attention_blocked`; dispatches to the implementation for this backend and shape.
+
+    impl: force one of IMPLEMENTATIONS (tests and benchmarks); the kernel runs interpreted off GPU.
+    """
+    backend = jax.default_backend()
+    impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1])
+    if impl == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, page_table, positions)
+    if impl == "blocked":
+        return attention_blocked(q, k_pages, v_pages, page_table, positions, valid, pages_per_block=PAGES_PER_BLOCK)
+    if impl == "pallas":
+        return paged_attention_kernel(q, k_pages, v_pages, page_table, positions, valid, interpret=backend != "gpu")
+    raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")
