@@ -19,7 +19,7 @@ from .config import ModelConfig
 from .delta_rule import CPU_CHUNKED_MIN_TOKENS
 from .model import Model
 from .sampling import SamplingParams
-from .speculative import ChainInputs, VerifyInputs, draft_chain, speculative_step
+from .speculative import ChainInputs, LoopInputs, VerifyInputs, draft_chain, speculative_step
 from .state import Row, StepOutput, bucket, pack_batch
 
 
@@ -31,6 +31,17 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class RowLoop:
+    """Lets a row run further iterations in the same device call (see `jaxmodel.speculative.LoopInputs`): each
+    feeds the bonus token and up to n_draft MTP drafts, writing into `planes` (the row's read plane first, then
+    its write planes in order) minus the live one; at most `budget` tokens are committed in all."""
+
+    n_draft: int
+    planes: Sequence[int]
+    budget: int
 
 
 @dataclass(frozen=True)
@@ -47,13 +58,24 @@ class StepRow:
     sampling: Sampling = field(default_factory=Sampling)
     n_chain: int = -1
     p_min: float = 0.0
+    loop: RowLoop | None = None
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """A later iteration of a looping row: the drafts it fed and what it committed."""
+
+    drafts: list[int]
+    n_accepted: int
+    committed: list[int]
 
 
 @dataclass(frozen=True)
 class RowResult:
     n_accepted: int
     committed: list[int]  # accepted drafts + one token from the target; empty when nothing was committed
-    next_drafts: list[int]  # the MTP head's drafts continuing after `committed`
+    next_drafts: list[int]  # the MTP head's drafts continuing after the row's last committed token
+    more: list[Iteration] = field(default_factory=list)  # later iterations in the same call
 
 
 @dataclass(frozen=True)
@@ -93,11 +115,15 @@ class Shapes:
                 yield B, T, self.logit_rows(T, final_only), final_only
 
 
+# Steps of up to this many tokens per row (decode and verify steps) may run several iterations per call.
+LOOP_MAX_TOKENS = 16
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: ModelConfig):
     """The jitted step and chain of a config, shared by every runtime of it (so their compilations are too)."""
-    step = jax.jit(functools.partial(speculative_step, cfg=cfg), static_argnames=("final_only", "n_max"),
-                   donate_argnames="state")  # fmt: skip
+    step = jax.jit(functools.partial(speculative_step, cfg=cfg),
+                   static_argnames=("final_only", "n_max", "max_iterations"), donate_argnames="state")
     chain = jax.jit(functools.partial(draft_chain, cfg=cfg), static_argnames="n_max", donate_argnames="state")
     return step, chain
 
@@ -106,15 +132,19 @@ class Runtime:
     """A model + its device state. `n_pages`/`n_planes` include the trash page and the null plane.
 
     n_chain_max: the longest draft chain a step computes on device (the MTP head's for a target, the whole chain
-    for a draft model); 0 for none.
+    for a draft model); 0 for none. max_iterations: the most iterations one step may run (short steps only).
+    stop_ids: end-of-generation ids, which end a row's iterations on device.
     """
 
     def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,
-                 shapes: Shapes | None = None, n_chain_max: int = 0):
+                 shapes: Shapes | None = None, n_chain_max: int = 0, max_iterations: int = 1,
+                 stop_ids: Sequence[int] = ()):
         self.model = model
         self.page_size = page_size
         self.shapes = shapes
         self.n_chain_max = n_chain_max
+        self.max_iterations = max_iterations
+        self.stop_ids = np.asarray(sorted(stop_ids) or [-1], np.int32)
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size)
         self._step, self._chain = _compiled(model.cfg)
 
@@ -138,25 +168,56 @@ class Runtime:
         out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=final_only)
         return out
 
-    def step(self, rows: Sequence[StepRow]) -> list[RowResult]:
-        """One target step over all rows: forward, verification and MTP drafting in one device call."""
+    def loops(self, T: int, final_only: bool) -> int:
+        """The static iteration bound of a step shape: only short steps loop."""
+        return self.max_iterations if T <= LOOP_MAX_TOKENS and not final_only else 1
+
+    def step(self, rows: Sequence[StepRow], iterations: int = 1) -> list[RowResult]:
+        """One target step over all rows: forward, verification and MTP drafting in one device call; rows with a
+        `loop` run up to `iterations` iterations in all (a short step's; others run one)."""
         prefill_only = all(
             list(r.row.logit_rows) in ([], [len(r.row.tokens) - 1]) and all(w < 0 for w in r.row.write_planes[:-1])
             for r in rows
         )
         batch, final_only = self._pack([r.row for r in rows], prefill_only)
-        verify_in, chain = self._step_inputs(rows, batch.tokens.shape[0], batch.logit_rows.shape[1])
-        out, self.state = self._step(self.model.weights, batch=batch, state=self.state, verify_in=verify_in,
-                                     chain=chain, final_only=final_only, n_max=self.mtp_chain_max)  # fmt: skip
-        n_accepted, tokens, drafts, n_drafted = jax.device_get((out.n_accepted, out.tokens, out.drafts, out.n_drafted))
+        B, T = batch.tokens.shape
+        verify_in, chain = self._step_inputs(rows, B, batch.logit_rows.shape[1])
+        max_iterations = self.loops(T, final_only)
+        loop = self._loop_inputs(rows, B, min(iterations, max_iterations)) if max_iterations > 1 else None
+        (out, more), self.state = self._step(
+            self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
+            final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
+        )  # fmt: skip
+        n_accepted, tokens, drafts, n_drafted, more = jax.device_get(
+            (out.n_accepted, out.tokens, out.drafts, out.n_drafted, more)
+        )
         results = []
         for b, r in enumerate(rows):
             if not r.row.logit_rows:
                 results.append(RowResult(0, [], []))
                 continue
             a = int(n_accepted[b])
-            results.append(RowResult(a, tokens[b, : a + 1].tolist(), drafts[b, : n_drafted[b]].tolist()))
+            later = []
+            if more is not None:
+                for j in np.nonzero(more.ran[:, b])[0]:
+                    a_j, d_j = int(more.n_accepted[j, b]), int(more.n_drafts[j, b])
+                    later.append(Iteration(more.tokens[j, b, 1 : 1 + d_j].tolist(), a_j,
+                                           more.tokens[j, b, : a_j + 1].tolist()))  # fmt: skip
+            results.append(RowResult(a, tokens[b, : a + 1].tolist(), drafts[b, : n_drafted[b]].tolist(), later))
         return results
+
+    def _loop_inputs(self, rows: Sequence[StepRow], B: int, iterations: int) -> LoopInputs:
+        width = self.mtp_chain_max + 2
+        loops = np.zeros((B,), bool)
+        n_draft, budget, capacity = np.zeros((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        planes = np.full((B, width), -1, np.int32)
+        for b, r in enumerate(rows):
+            if r.loop is not None:
+                loops[b] = True
+                n_draft[b], budget[b] = r.loop.n_draft, r.loop.budget
+                planes[b, : len(r.loop.planes)] = r.loop.planes[:width]
+            capacity[b] = len(r.row.pages) * self.page_size
+        return LoopInputs(loops, n_draft, planes, budget, capacity, self.stop_ids, np.int32(iterations))
 
     @staticmethod
     def _step_inputs(rows: Sequence[StepRow], B: int, R: int) -> tuple[VerifyInputs, ChainInputs]:
@@ -209,8 +270,12 @@ class Runtime:
         for B, T, R, final_only in self.shapes.grid():
             batch = pack_batch([], B=B, T=T, P=self.shapes.pages_per_row, R=R)
             verify_in, chain = self._step_inputs([], B, R)
-            out, self.state = self._step(self.model.weights, batch=batch, state=self.state, verify_in=verify_in,
-                                         chain=chain, final_only=final_only, n_max=self.mtp_chain_max)  # fmt: skip
+            max_iterations = self.loops(T, final_only)
+            loop = self._loop_inputs([], B, 1) if max_iterations > 1 else None
+            (out, _), self.state = self._step(
+                self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
+                final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
+            )  # fmt: skip
             n += 1
         jax.block_until_ready(out.tokens)
         return n

@@ -123,6 +123,33 @@ def verify(
     Returns n_accepted [B] int32 and tokens [B, R] int32: row b commits tokens[b, :n_accepted[b] + 1], the accepted
     drafts and then the target's token; later entries are -1.
     """
+    if draft_probs is None:  # all-greedy batches skip the random draws over [B, R, V] (most of verify's cost)
+        return jax.lax.cond(
+            jnp.all(params.temperature <= 0),
+            lambda: _accept(jnp.argmax(target_logits, axis=-1).astype(jnp.int32), draft_tokens, n_drafts),
+            lambda: _verify(target_logits, draft_tokens, None, n_drafts, params, positions),
+        )
+    return _verify(target_logits, draft_tokens, draft_probs, n_drafts, params, positions)
+
+
+def _accept(target_draws: jax.Array, draft_tokens: jax.Array, n_drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Deterministic drafts against the target's draws [B, R]: the accepted prefix, then the target's token."""
+    return _commit(draft_tokens == target_draws[:, :-1], target_draws, draft_tokens, n_drafts)
+
+
+def _commit(accepted, corrections, draft_tokens, n_drafts) -> tuple[jax.Array, jax.Array]:
+    """accepted [B, R-1] bool, corrections [B, R]: the token committed after each accepted prefix."""
+    batch, rows = corrections.shape
+    row = jnp.arange(rows)
+    is_draft = row[:-1] < n_drafts[:, None]  # [B, R-1]
+    n_accepted = jnp.sum(jnp.cumprod(accepted & is_draft, axis=1), axis=1).astype(jnp.int32)  # [B]
+    padded_drafts = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    correction = jnp.take_along_axis(corrections, n_accepted[:, None], axis=1)  # [B, 1]
+    tokens = jnp.where(row < n_accepted[:, None], padded_drafts, jnp.where(row == n_accepted[:, None], correction, -1))
+    return n_accepted, tokens
+
+
+def _verify(target_logits, draft_tokens, draft_probs, n_drafts, params, positions):
     batch, rows, _ = target_logits.shape
     row = jnp.arange(rows)
     greedy = (params.temperature <= 0)[:, None]  # [B, 1]
@@ -134,8 +161,7 @@ def verify(
     is_draft = row[:-1] < n_drafts[:, None]  # [B, R-1]
 
     if draft_probs is None:
-        accepted = draft_tokens == target_draws[:, :-1]
-        corrections = target_draws
+        return _accept(target_draws, draft_tokens, n_drafts)
     else:
         q = jnp.where(greedy[..., None], jax.nn.one_hot(target_draws, processed.shape[-1]), jax.nn.softmax(processed))
         q_x = jnp.take_along_axis(q[:, :-1], draft_tokens[..., None], axis=-1)[..., 0]  # [B, R-1]
@@ -152,9 +178,4 @@ def verify(
         residual_draws = _draw(residual_logits, jnp.zeros_like(greedy), _stream(keys[:, :-1], _RESIDUAL))
         rejected_draws = jnp.where(is_draft & ~one_hot_draft, residual_draws, target_draws[:, :-1])
         corrections = jnp.concatenate([rejected_draws, target_draws[:, -1:]], axis=1)  # [B, R]
-
-    n_accepted = jnp.sum(jnp.cumprod(accepted & is_draft, axis=1), axis=1).astype(jnp.int32)  # [B]
-    padded_drafts = jnp.concatenate([draft_tokens.astype(jnp.int32), jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    correction = jnp.take_along_axis(corrections, n_accepted[:, None], axis=1)  # [B, 1]
-    tokens = jnp.where(row < n_accepted[:, None], padded_drafts, jnp.where(row == n_accepted[:, None], correction, -1))
-    return n_accepted, tokens
+    return _commit(accepted, corrections, draft_tokens, n_drafts)

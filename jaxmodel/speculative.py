@@ -121,11 +121,11 @@ def mtp_catch_up_and_chain(
     return drafts, n_drafted, state
 
 
-def speculative_step(
+def iteration(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
     chain: ChainInputs, *, final_only: bool = False, n_max: int = 0,
 ) -> tuple[SpeculativeOutput, ModelState]:
-    """Target forward, verification and (n_max > 0, the model has MTP) the next MTP drafts, in one call.
+    """Target forward, verification and (n_max > 0, the model has MTP) the next MTP drafts.
 
     batch as `forward`; rows verify their drafts `verify_in.drafts` (the last n_drafts of their tokens). Rows
     without logit rows (intermediate prompt chunks) commit nothing: their n_accepted is 0 and their tokens are
@@ -143,15 +143,126 @@ def speculative_step(
     n_kept = batch.n_tokens - verify_in.n_drafts + n_accepted
     bonus = jnp.take_along_axis(tokens, n_accepted[:, None], axis=1)[:, 0]
 
-    def with_mtp(state):
+    # Only the MTP block's KV pages pass through the branch: XLA copies what a conditional carries.
+    mtp_kv = ModelState(k_pages=state.k_pages[-1:], v_pages=state.v_pages[-1:], conv=(), ssm=(),
+                        hidden=jnp.zeros((0,), jnp.float32))
+
+    def with_mtp(mtp_kv):
         return mtp_catch_up_and_chain(weights, cfg, batch, out.hidden, hidden_before, n_kept, bonus, has_bonus,
-                                      chain, state, n_max)  # fmt: skip
+                                      chain, mtp_kv, n_max)  # fmt: skip
 
-    def without(state):
-        return jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), state
+    def without(mtp_kv):
+        return jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), mtp_kv
 
-    drafts, n_drafted, state = jax.lax.cond(jnp.any(chain.n_chain >= 0), with_mtp, without, state)
+    drafts, n_drafted, mtp_kv = jax.lax.cond(jnp.any(chain.n_chain >= 0), with_mtp, without, mtp_kv)
+    state = ModelState(k_pages=state.k_pages[:-1] + mtp_kv.k_pages, v_pages=state.v_pages[:-1] + mtp_kv.v_pages,
+                       conv=state.conv, ssm=state.ssm, hidden=state.hidden)
     return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), state
+
+
+@pytree
+class LoopInputs:
+    """Rows that may run further iterations in the same call, without the host in between (all [B] unless noted).
+
+    A looping row feeds its bonus token and up to n_draft of the MTP head's drafts per iteration, in snapshot mode:
+    it reads its live plane and writes the state after each fed token into `planes` minus the live one, in order;
+    after a accepted drafts the a-th of those becomes live (the host's scheduler replays the same rule).
+    """
+
+    loops: jax.Array  # [B] bool
+    n_draft: jax.Array  # [B] int32, drafts per later iteration (0: plain decoding)
+    planes: jax.Array  # [B, n_max + 2] int32, the planes the row owns (its read plane first), -1 padding
+    budget: jax.Array  # [B] int32, tokens the row may still commit (max_tokens, context length)
+    capacity: jax.Array  # [B] int32, positions its KV pages cover
+    stop_ids: jax.Array  # [S] int32, end-of-generation ids (-1 padding)
+    n_iterations: jax.Array  # [] int32, iterations in all, the step's own included (at most the static maximum)
+
+
+@pytree
+class LoopOutput:
+    """What the later iterations did, per iteration j = 1.. (row j - 1 here)."""
+
+    ran: jax.Array  # [K-1, B] bool
+    n_accepted: jax.Array  # [K-1, B] int32
+    tokens: jax.Array  # [K-1, B, 1 + n_max] int32: tokens[j, b, :n_accepted + 1] committed
+    n_drafts: jax.Array  # [K-1, B] int32, drafts fed
+
+
+def _next_write_planes(planes: jax.Array, live: jax.Array) -> jax.Array:
+    """planes [B, P] without the live plane [B], in order: [B, P - 1]."""
+    order = jnp.argsort(planes == live[:, None], axis=1, stable=True)
+    return jnp.take_along_axis(planes, order, axis=1)[:, :-1]
+
+
+def _stops(tokens: jax.Array, n_committed: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """Whether a row's committed tokens [B, R] (the first n_committed [B]) hold an end-of-generation id."""
+    committed = jnp.arange(tokens.shape[1])[None, :] < n_committed[:, None]
+    return jnp.any(committed & jnp.any(tokens[..., None] == stop_ids, axis=-1), axis=1)
+
+
+def speculative_step(
+    weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
+    chain: ChainInputs, loop: LoopInputs | None = None, *, final_only: bool = False, n_max: int = 0,
+    max_iterations: int = 1,
+) -> tuple[tuple[SpeculativeOutput, LoopOutput | None], ModelState]:
+    """One engine step in one call: `iteration` over the batch, then, for the rows `loop` lets continue, up to
+    loop.n_iterations - 1 more iterations (each feeding the bonus token and the MTP drafts of the one before),
+    stopping a row at an end-of-generation id, its token budget or the end of its pages.
+
+    Returns the first iteration's output (its drafts are the ones after the row's last iteration), the later
+    iterations' record (None without `loop`) and the state.
+    """
+    first, state = iteration(weights, cfg, batch, state, verify_in, chain, final_only=final_only, n_max=n_max)
+    if loop is None or max_iterations <= 1:
+        return (first, None), state
+    B, W = batch.tokens.shape[0], 1 + n_max
+    K = max_iterations - 1
+    n_committed = first.n_accepted + 1
+    start = batch.positions[:, 0] + batch.n_tokens - verify_in.n_drafts + first.n_accepted  # the bonus's position
+    live = jnp.take_along_axis(_next_write_planes(loop.planes, batch.read_plane), first.n_accepted[:, None], axis=1)[:, 0]
+    active = (loop.loops & verify_in.commits & ~_stops(first.tokens, n_committed, loop.stop_ids)
+              & (n_committed < loop.budget) & (start + loop.n_draft < loop.capacity))  # fmt: skip
+    bonus = jnp.take_along_axis(first.tokens, first.n_accepted[:, None], axis=1)[:, 0]
+    record = LoopOutput(ran=jnp.zeros((K, B), bool), n_accepted=jnp.zeros((K, B), jnp.int32),
+                        tokens=jnp.zeros((K, B, W), jnp.int32), n_drafts=jnp.zeros((K, B), jnp.int32))
+    carry = (1, active, live, start, bonus, first.drafts[:, :n_max], first.n_drafted, n_committed, record, state)
+    index = jnp.arange(W)[None, :]
+
+    def more(carry):
+        j, active = carry[0], carry[1]
+        return (j < jnp.minimum(loop.n_iterations, max_iterations)) & jnp.any(active)
+
+    def body(carry):
+        j, active, live, start, bonus, drafts, n_drafted, n_committed, record, state = carry
+        n_fed = jnp.where(active, jnp.minimum(loop.n_draft, n_drafted), 0)  # drafts fed
+        tokens = jnp.concatenate([bonus[:, None], drafts], axis=1)
+        tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, W]
+        write_pool = _next_write_planes(loop.planes, live)[:, :W]
+        step = StepBatch(
+            tokens=tokens, positions=start[:, None] + index, n_tokens=jnp.where(active, 1 + n_fed, 0),
+            page_table=batch.page_table, read_plane=live,
+            write_planes=jnp.where(active[:, None] & (index <= n_fed[:, None]), write_pool, -1),
+            logit_rows=jnp.broadcast_to(index, (B, W)),
+        )  # fmt: skip
+        verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
+        chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), loop.n_draft, -1), chain.p_min)
+        out, state = iteration(weights, cfg, step, state, verify_j, chain_j, n_max=n_max)
+        a = out.n_accepted
+        record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
+                            tokens=record.tokens.at[j - 1].set(out.tokens), n_drafts=record.n_drafts.at[j - 1].set(n_fed))
+        live = jnp.where(active, jnp.take_along_axis(write_pool, a[:, None], axis=1)[:, 0], live)
+        start = jnp.where(active, start + 1 + a, start)
+        bonus = jnp.where(active, jnp.take_along_axis(out.tokens, a[:, None], axis=1)[:, 0], bonus)
+        drafts = jnp.where(active[:, None], out.drafts[:, :n_max], drafts)
+        n_drafted = jnp.where(active, out.n_drafted, n_drafted)
+        n_committed = n_committed + jnp.where(active, a + 1, 0)
+        active = (active & ~_stops(out.tokens, a + 1, loop.stop_ids) & (n_committed < loop.budget)
+                  & (start + loop.n_draft < loop.capacity))  # fmt: skip
+        return j + 1, active, live, start, bonus, drafts, n_drafted, n_committed, record, state
+
+    _, _, _, _, _, drafts, n_drafted, _, record, state = jax.lax.while_loop(more, body, carry)
+    first = SpeculativeOutput(first.n_accepted, first.tokens, drafts, n_drafted)
+    return (first, record), state
 
 
 def draft_chain(

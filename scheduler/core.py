@@ -34,12 +34,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .memory import DraftCandidate, MemoryManager, pages_for
 from .stops import scan_stop_strings
-from .types import (Committed, Detokenizer, DoneEvent, DraftStats, Event, FinishReason, Mode, Request, Row,
-                    SeqId, StepPlan, TokensEvent)
+from .types import (Committed, Continued, Detokenizer, DoneEvent, DraftStats, Event, FinishReason, Mode, Request,
+                    Row, SeqId, StepPlan, TokensEvent)
 
 PLANES_PER_SEQUENCE = 2
 ACCEPTANCE_DECAY = 0.8  # weight of the past in a sequence's acceptance estimate
@@ -113,6 +113,7 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_running = max_running
         self.chunk_size = chunk_size or token_budget
+        self.lookahead = 0  # positions beyond a step's tokens worth holding pages for, while nobody waits
         self._detokenizer = detokenizer
         self._seqs: dict[SeqId, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
@@ -153,6 +154,11 @@ class Scheduler:
     def request(self, seq_id: SeqId) -> Request:
         """The request of a live sequence."""
         return self._seqs[seq_id].request
+
+    def remaining(self, seq_id: SeqId) -> int:
+        """Tokens the sequence may still commit before it ends by length (max_tokens or the context length)."""
+        seq = self._seqs[seq_id]
+        return min(seq.request.max_tokens - seq.n_generated, self.max_model_len - len(seq.tokens))
 
     # ---- requests in ---------------------------------------------------------------------------------------
 
@@ -212,6 +218,8 @@ class Scheduler:
             budget -= n_feed
 
         budget = self._grant_drafts(specs, budget)
+        if self.lookahead and not self._waiting:
+            self._hold_lookahead(specs)
 
         while self._waiting and len(self._running) < self.max_running and budget > 0:
             seq = self._waiting[0]
@@ -235,10 +243,14 @@ class Scheduler:
         self._in_flight = plan if plan.rows else None
         return plan
 
-    def update(self, plan: StepPlan, committed: Mapping[SeqId, Committed]) -> list[Event]:
-        """Commit a step: `committed` holds, for every row with logit_rows, the verified tokens.
+    def update(self, plan: StepPlan, committed: Mapping[SeqId, Committed],
+               continued: Mapping[SeqId, Sequence[Continued]] | None = None) -> list[Event]:
+        """Commit a step: `committed` holds, for every row with logit_rows, the verified tokens; `continued`, for
+        rows that ran later iterations in the same step, what each of them fed and committed.
 
-        Returns the events of this step, in row order: tokens, then done for sequences that finished.
+        A continued row's iterations each read the live plane and write into the row's planes (its read plane,
+        then its write pool) minus the live one, in that order, in snapshot mode; the scheduler follows the same
+        rule. Returns the events of this step, in row order: tokens, then done for sequences that finished.
         """
         self._check_in_flight(plan)
         for row in plan.rows:
@@ -260,10 +272,45 @@ class Scheduler:
                 self._trim_planes(seq)
             else:
                 result = committed[row.seq_id]
-                self._roll(seq, row, result.n_accepted)
+                later = (continued or {}).get(row.seq_id, ())
+                self._roll(seq, row, result.n_accepted, trim=not later)
                 events += self._commit(seq, result, row)
+                if later:
+                    events += self._continue(seq, row, later)
         self._in_flight = None
         return events
+
+    def _continue(self, seq: _Sequence, row: Row, later: Sequence[Continued]) -> list[Event]:
+        planes = (row.read_plane,) + row.write_pool
+        events: list[Event] = []
+        for iteration in later:
+            if seq.request.seq_id not in self._seqs:  # finished by the iteration before
+                return events
+            n_drafts = len(iteration.drafts)
+            pool = tuple(p for p in planes if p != seq.live_plane)[: len(row.write_pool)]
+            fed = (seq.tokens[-1],)
+            step = replace(row, fed=fed, start=len(seq.tokens) - 1, read_plane=seq.live_plane,
+                           draft_max=n_drafts, mode="snapshot" if len(row.write_pool) > 1 else row.mode,
+                           write_pool=pool, drafts=tuple(iteration.drafts),
+                           drafter=row.drafter if n_drafts else None)  # fmt: skip
+            self._roll(seq, step, iteration.committed.n_accepted, trim=False)
+            events += self._commit(seq, iteration.committed, step)
+        if seq.request.seq_id in self._seqs:
+            self._trim_planes(seq)
+        return events
+
+    def _hold_lookahead(self, specs: list[_RowSpec]) -> None:
+        """Best effort: pages for `lookahead` positions past each row's tokens, while the free pages could give
+        every running sequence as many (so that holding them never forces a preemption)."""
+        limit = pages_for(self.max_model_len, self.memory.page_size)
+        reserve = len(self._running) * pages_for(self.lookahead, self.memory.page_size)
+        for spec in specs:
+            seq = spec.seq
+            end = seq.n_computed + spec.n_feed + spec.draft_max + self.lookahead
+            want = min(pages_for(end, self.memory.page_size), limit) - len(seq.pages)
+            spare = self.memory.free_pages - reserve
+            if want > 0 and spare > 0:
+                seq.pages += self.memory.take_pages(min(want, spare))
 
     def fail(self, plan: StepPlan) -> list[Event]:
         """The step could not run: every sequence in it ends with done(error) (cancelled if it was aborted)."""
@@ -317,7 +364,7 @@ class Scheduler:
                    needs_logits=spec.n_feed == seq.to_compute, draft_max=spec.draft_max, mode=spec.mode,
                    write_pool=tuple(spare[:n_write]), params=seq.request.params)
 
-    def _roll(self, seq: _Sequence, row: Row, n_accepted: int) -> None:
+    def _roll(self, seq: _Sequence, row: Row, n_accepted: int, trim: bool = True) -> None:
         """Move the live plane and n_computed after verification (tokens are appended by `_commit`)."""
         n_drafts = len(row.drafts)
         writes = row.write_planes
@@ -327,7 +374,8 @@ class Scheduler:
         elif n_accepted == n_drafts:
             seq.live_plane = writes[-1]
             seq.n_computed = row.start + len(row.fed) + n_drafts
-        self._trim_planes(seq)
+        if trim:
+            self._trim_planes(seq)
         if n_drafts:
             stats = seq.draft_stats.setdefault(row.drafter, [0, 0])
             stats[0] += n_drafts

@@ -23,12 +23,12 @@ from drafters import standard_drafters
 from drafters.base import DraftRequest, Drafter
 from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
 from jaxmodel.model import Model
-from jaxmodel.runtime import Runtime, Sampling, Shapes, StepRow
+from jaxmodel.runtime import RowLoop, Runtime, Sampling, Shapes, StepRow
 from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
 
 from .core import Scheduler
 from .memory import MemoryManager, pages_for, pool_sizes
-from .types import Committed, DoneEvent, Event, Request, Row, StepPlan, TokensEvent
+from .types import Committed, Continued, DoneEvent, Event, Request, Row, StepPlan, TokensEvent
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,9 @@ class _NullDetokenizer:
         return ""
 
 
+DEFAULT_ITERATIONS = 4
+
+
 class Engine:
     """Continuous batching over one target model, its drafters and a memory budget."""
 
@@ -87,10 +90,13 @@ class Engine:
         n_max: int = 16,
         policy_params: PolicyParams | None = None,
         adaptive: bool = True,
+        iterations: int = DEFAULT_ITERATIONS,
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
-        policy in `drafters.policy` chooses drafter and length per sequence."""
+        policy in `drafters.policy` chooses drafter and length per sequence. iterations: the most speculative
+        iterations (or plain decoding steps) one device call runs while the host has nothing to decide between
+        them (no request waiting or arriving, no stop string to check, drafts only from the MTP head)."""
         cfg = model.cfg
         plane_bytes = bytes_per_plane(cfg)
         # Planes for every sequence to snapshot a full draft, but never more than half the budget.
@@ -111,21 +117,25 @@ class Engine:
             max_logit_rows=1 + n_max,
             pages_per_row=pages_for(max_model_len + n_max + 1, page_size),
         )
+        self.stop_token_ids = frozenset(tokenizer.eog_ids) if tokenizer is not None else frozenset()
         self.runtime = Runtime(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size,
-                               shapes=shapes, n_chain_max=n_max if model.has_mtp else 0)  # fmt: skip
+                               shapes=shapes, n_chain_max=n_max if model.has_mtp else 0, max_iterations=iterations,
+                               stop_ids=self.stop_token_ids)  # fmt: skip
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(
             self.memory, detokenizer, max_model_len=max_model_len, token_budget=token_budget,
             max_running=max_running, chunk_size=chunk_size,
         )  # fmt: skip
-        self.stop_token_ids = frozenset(tokenizer.eog_ids) if tokenizer is not None else frozenset()
+        if iterations > 1:
+            self.scheduler.lookahead = iterations * (1 + n_max) + n_max
         self.policy = DrafterPolicy(policy_params or PolicyParams())
         drafters = standard_drafters(model, draft_model, max_seqs=max_running, max_context=max_model_len,
                                      n_max=n_max, page_size=page_size)  # fmt: skip
         self.drafters: dict[str, Drafter] = {d.name: d for d in [*drafters, *extra_drafters]}
         self.n_max = n_max
         self.adaptive = adaptive
+        self.iterations = iterations
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
         self._inbox_send, self._inbox = anyio.create_memory_object_stream(math.inf)
@@ -133,9 +143,10 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ the step
 
-    def step(self) -> list[Event]:
+    def step(self, quiet: bool = True) -> list[Event]:
         """One scheduler step, synchronously: schedule, draft, run (forward, verification and the next on-device
-        drafts in one device call), commit. Returns the events."""
+        drafts in one device call, several iterations of it when the host has nothing to decide between them),
+        commit. quiet: no request is arriving (so nothing waits for the host). Returns the events."""
         plan = self.scheduler.schedule()
         if not plan.rows:
             return []
@@ -144,42 +155,67 @@ class Engine:
             if row.params.timing.scheduled is None:
                 row.params.timing.scheduled = start
         plan = self._attach_drafts(plan)
-        rows = [self._step_row(row, len(plan.rows)) for row in plan.rows]
+        iterations = self.iterations if quiet and not self.scheduler.n_waiting else 1
+        rows = [self._step_row(row, len(plan.rows), iterations > 1) for row in plan.rows]
         start = time.perf_counter()
-        results = self.runtime.step(rows)
-        self.policy.record_target(time.perf_counter() - start, plan.n_tokens)
-        committed = {}
-        for row, result in zip(plan.rows, results):
+        results = self.runtime.step(rows, iterations)
+        n_iterations = 1 + max(len(r.more) for r in results)
+        self.policy.record_target((time.perf_counter() - start) / n_iterations, plan.n_tokens)
+        committed, continued = {}, {}
+        for row, step_row, result in zip(plan.rows, rows, results):
             if not row.needs_logits:
                 continue
             committed[row.seq_id] = Committed(tuple(result.committed), result.n_accepted)
+            self._observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted, result.committed)
             n_tokens = row.start + len(row.fed) + len(result.committed)
+            if result.more:
+                name = self._device_drafter(row)
+                continued[row.seq_id] = [Continued(tuple(it.drafts), Committed(tuple(it.committed), it.n_accepted))
+                                         for it in result.more]  # fmt: skip
+                for it in result.more:
+                    self._observe(row.seq_id, name if it.drafts else None, len(it.drafts), it.n_accepted,
+                                  it.committed)  # fmt: skip
+                    n_tokens += len(it.committed)
             for drafter in self._drafters_of(row):
                 drafter.after_step(row.seq_id, n_tokens, result)
-            if row.drafter is not None:
-                self.drafters[row.drafter].observe(row.seq_id, result.n_accepted, result.committed)
-                self.policy.observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted)
-        events = self.scheduler.update(plan, committed)
+        events = self.scheduler.update(plan, committed, continued)
         for event in events:
             if isinstance(event, DoneEvent):
                 self._release(event.seq_id)
         self.steps += 1
         return events
 
+    def _observe(self, seq_id, drafter: str | None, drafted: int, accepted: int, committed) -> None:
+        if drafter is not None:
+            self.drafters[drafter].observe(seq_id, accepted, committed)
+            self.policy.observe(seq_id, drafter, drafted, accepted)
+
     def _drafters_of(self, row: Row) -> list[Drafter]:
         config = row.params.speculative
         return [self.drafters[name] for name in config.drafters if name in self.drafters] if config else []
 
-    def _step_row(self, row: Row, batch_size: int) -> StepRow:
-        """The runtime's view of a plan row: its drafts, sampling, and the drafts to chain on device for its
-        next step (as long as the policy would plan for each drafter that chains on device)."""
+    def _device_drafter(self, row: Row) -> str | None:
+        """The first of the row's drafters that drafts on device (the MTP head), if any."""
+        return next((d.name for d in self._drafters_of(row) if d.device_chain(row.seq_id, 0) >= 0), None)
+
+    def _step_row(self, row: Row, batch_size: int, may_loop: bool) -> StepRow:
+        """The runtime's view of a plan row: its drafts, sampling, the drafts to chain on device for its next step
+        (as long as the policy would plan for each drafter that chains on device), and whether it may run more
+        iterations in the same call (a decoding row in snapshot or plain mode, without stop strings, whose drafts
+        come from the device)."""
         config = row.params.speculative
         n_chain = -1
         for drafter in self._drafters_of(row):
             n_next = self.policy.length(row.seq_id, drafter.name, config, batch_size) if self.adaptive else config.n_max
             n_chain = max(n_chain, drafter.device_chain(row.seq_id, min(n_next, self.n_max)))
         p_min = config.p_min if config else 0.0
-        return StepRow(row, row.drafts, row.params.sampling, n_chain, p_min)
+        loop = None
+        device = self._device_drafter(row)
+        if (may_loop and row.needs_logits and len(row.fed) == 1 and row.mode in ("snapshot", None)
+                and row.drafter in (None, device) and not self.scheduler.request(row.seq_id).stop_strings):
+            n_draft = row.draft_max if device is not None and row.mode == "snapshot" else 0
+            loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id))
+        return StepRow(row, row.drafts, row.params.sampling, n_chain, p_min, loop)
 
     def _attach_drafts(self, plan: StepPlan) -> StepPlan:
         """Per sequence, the policy's drafters in order; each round batches the sequences still without a draft
@@ -257,7 +293,8 @@ class Engine:
                     break
             if not self.scheduler.has_work:
                 continue
-            events = await anyio.to_thread.run_sync(self.step)
+            quiet = self._inbox.statistics().current_buffer_used == 0
+            events = await anyio.to_thread.run_sync(self.step, quiet)
             for event in events:
                 stream = self._outputs.get(event.seq_id)
                 if stream is not None:

@@ -184,6 +184,16 @@ class Committed:
 
 
 @dataclass(frozen=True)
+class Continued:
+    """A later iteration the device ran for a row within the same step (`Scheduler.update`): it fed the previous
+    iteration's last committed token and `drafts`, in snapshot mode over the row's planes, and committed
+    `committed`."""
+
+    drafts: tuple[int, ...]
+    committed: Committed
+
+
+@dataclass(frozen=True)
 class TokensEvent:
     """New output: token ids as committed and the text now safe to show (text may lag ids near stop strings)."""
 
