@@ -184,7 +184,7 @@ class LoopOutput:
 
     ran: jax.Array  # [K-1, B] bool
     n_accepted: jax.Array  # [K-1, B] int32
-    tokens: jax.Array  # [K-1, B, 1 + n_max] int32: tokens[j, b, :n_accepted + 1] committed
+    tokens: jax.Array  # [K-1, B, W] int32: tokens[j, b, :n_accepted + 1] committed (W = min(T, 1 + n_max))
     n_drafts: jax.Array  # [K-1, B] int32, drafts fed
 
 
@@ -215,7 +215,8 @@ def speculative_step(
     first, state = iteration(weights, cfg, batch, state, verify_in, chain, final_only=final_only, n_max=n_max)
     if loop is None or max_iterations <= 1:
         return (first, None), state
-    B, W = batch.tokens.shape[0], 1 + n_max
+    B, T = batch.tokens.shape
+    W = min(T, 1 + n_max)  # tokens per later iteration: a plain decoding step (T = 1) stays plain
     K = max_iterations - 1
     n_committed = first.n_accepted + 1
     start = batch.positions[:, 0] + batch.n_tokens - verify_in.n_drafts + first.n_accepted  # the bonus's position
@@ -225,7 +226,7 @@ def speculative_step(
     bonus = jnp.take_along_axis(first.tokens, first.n_accepted[:, None], axis=1)[:, 0]
     record = LoopOutput(ran=jnp.zeros((K, B), bool), n_accepted=jnp.zeros((K, B), jnp.int32),
                         tokens=jnp.zeros((K, B, W), jnp.int32), n_drafts=jnp.zeros((K, B), jnp.int32))
-    carry = (1, active, live, start, bonus, first.drafts[:, :n_max], first.n_drafted, n_committed, record, state)
+    carry = (1, active, live, start, bonus, first.drafts[:, : W - 1], first.n_drafted, n_committed, record, state)
     index = jnp.arange(W)[None, :]
 
     def more(carry):
@@ -234,7 +235,7 @@ def speculative_step(
 
     def body(carry):
         j, active, live, start, bonus, drafts, n_drafted, n_committed, record, state = carry
-        n_fed = jnp.where(active, jnp.minimum(loop.n_draft, n_drafted), 0)  # drafts fed
+        n_fed = jnp.where(active, jnp.minimum(jnp.minimum(loop.n_draft, n_drafted), W - 1), 0)  # drafts fed
         tokens = jnp.concatenate([bonus[:, None], drafts], axis=1)
         tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, W]
         write_pool = _next_write_planes(loop.planes, live)[:, :W]
@@ -253,7 +254,7 @@ def speculative_step(
         live = jnp.where(active, jnp.take_along_axis(write_pool, a[:, None], axis=1)[:, 0], live)
         start = jnp.where(active, start + 1 + a, start)
         bonus = jnp.where(active, jnp.take_along_axis(out.tokens, a[:, None], axis=1)[:, 0], bonus)
-        drafts = jnp.where(active[:, None], out.drafts[:, :n_max], drafts)
+        drafts = jnp.where(active[:, None], out.drafts[:, : W - 1], drafts)
         n_drafted = jnp.where(active, out.n_drafted, n_drafted)
         n_committed = n_committed + jnp.where(active, a + 1, 0)
         active = (active & ~_stops(out.tokens, a + 1, loop.stop_ids) & (n_committed < loop.budget)

@@ -91,12 +91,14 @@ class Engine:
         policy_params: PolicyParams | None = None,
         adaptive: bool = True,
         iterations: int = DEFAULT_ITERATIONS,
+        stop_token_ids: Sequence[int] | None = None,
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
         policy in `drafters.policy` chooses drafter and length per sequence. iterations: the most speculative
         iterations (or plain decoding steps) one device call runs while the host has nothing to decide between
-        them (no request waiting or arriving, no stop string to check, drafts only from the MTP head)."""
+        them (no request waiting or arriving, no stop string to check, drafts only from the MTP head).
+        stop_token_ids: end-of-generation ids (default: the tokenizer's)."""
         cfg = model.cfg
         plane_bytes = bytes_per_plane(cfg)
         # Planes for every sequence to snapshot a full draft, but never more than half the budget.
@@ -117,7 +119,9 @@ class Engine:
             max_logit_rows=1 + n_max,
             pages_per_row=pages_for(max_model_len + n_max + 1, page_size),
         )
-        self.stop_token_ids = frozenset(tokenizer.eog_ids) if tokenizer is not None else frozenset()
+        if stop_token_ids is None:
+            stop_token_ids = tokenizer.eog_ids if tokenizer is not None else ()
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.runtime = Runtime(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size,
                                shapes=shapes, n_chain_max=n_max if model.has_mtp else 0, max_iterations=iterations,
                                stop_ids=self.stop_token_ids)  # fmt: skip

@@ -175,3 +175,43 @@ def test_lossless_for_generated_prompts(target, draft, prompt, drafters, alpha, 
     tokens, done, _ = anyio.run(main)
     assert tokens == expected
     assert done.completion_tokens == 8
+
+
+@pytest.mark.parametrize("drafters,rollback", [(None, "auto"), (("mtp",), "snapshot"), (("mtp",), "auto")])
+def test_several_iterations_per_device_call_are_lossless(target, prompts, references, drafters, rollback):
+    """One request at a time: decoding steps run up to 4 iterations per device call (fewer calls than tokens),
+    with the same tokens as plain greedy decoding."""
+    spec = SpeculativeConfig(drafters, n_max=3) if drafters else None
+
+    async def main():
+        engine = Engine(target, budget_bytes=700_000, max_running=2, max_model_len=64, n_max=3, iterations=4,
+                        adaptive=False)  # fmt: skip
+        async with engine:
+            for prompt in prompts[:4]:
+                tokens, done, _ = await collect(engine, GenerationRequest(prompt, MAX_TOKENS, speculative=spec,
+                                                                          rollback=rollback))  # fmt: skip
+                assert tokens == references[prompt], prompt
+                assert done.finish_reason == "length" and done.completion_tokens == MAX_TOKENS
+        return engine.steps
+
+    steps = anyio.run(main)
+    assert steps <= 4 * (1 + 1 + MAX_TOKENS // 2)  # per prompt: prefill chunks, then at least 2 tokens per call
+
+
+def test_end_of_generation_id_ends_a_sequence_inside_a_device_loop(target, prompts, references):
+    prompt = prompts[0]
+    stop_id = references[prompt][6]
+    expected = references[prompt][: references[prompt].index(stop_id)]
+
+    async def main():
+        engine = Engine(target, budget_bytes=700_000, max_running=2, max_model_len=64, iterations=8,
+                        stop_token_ids=[stop_id])  # fmt: skip
+        free = (engine.memory.free_pages, engine.memory.free_planes)
+        async with engine:
+            result = await collect(engine, GenerationRequest(prompt, MAX_TOKENS))
+        assert (engine.memory.free_pages, engine.memory.free_planes) == free
+        return result
+
+    tokens, done, _ = anyio.run(main)
+    assert tokens == expected
+    assert done.finish_reason == "stop" and done.completion_tokens == len(expected) + 1
