@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench peer clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/gdnspec bench step $(ARGS)
+
+# llama.cpp as a benchmark peer (llama-cpp-python). This compiles llama.cpp; with
+# CMAKE_ARGS="-DLLAMA_BUILD=OFF" it installs only the Python package, which then loads the
+# libllama.so in the folder named by LLAMA_CPP_LIB_PATH (see README.md, Benchmarks).
+peer: $(STAMP)
+	$(BIN)/pip install -e '.[peer]'
 
 clean:
 	rm -rf $(VENV) build *.egg-info

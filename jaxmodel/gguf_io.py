@@ -223,15 +223,21 @@ _EXPORT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 
 
 def byte_level_vocab(n_vocab: int) -> GGUFVocab:
-    """A GPT-2 byte-level vocabulary with no merges, padded to n_vocab, with Qwen's three special tokens last."""
+    """A GPT-2 byte-level vocabulary, padded to n_vocab, with Qwen's three special tokens last.
+
+    Its one merge, "0 0" -> "00" (token 256), never applies: the qwen35 pre-tokenizer splits every digit into a
+    piece of its own. It is there because llama.cpp refuses a BPE vocabulary without a `tokenizer.ggml.merges`
+    key ("cannot find tokenizer merges in model file") and gguf-py writes no key for an empty array."""
     byte_tokens = [char for char, _ in sorted(byte_decoder().items(), key=lambda item: item[1])]
+    merged = ["00"]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    if n_vocab < len(byte_tokens) + len(specials):
-        raise ValueError(f"n_vocab {n_vocab} is below the {len(byte_tokens) + len(specials)} byte and special tokens")
-    pads = [f"[PAD{i}]" for i in range(n_vocab - len(byte_tokens) - len(specials))]
-    types = [NORMAL] * len(byte_tokens) + [UNUSED] * len(pads) + [CONTROL] * len(specials)
-    return GGUFVocab(tokens=tuple(byte_tokens + pads + specials), merges=(), token_types=tuple(types),
-                     bos_id=n_vocab - 3, eos_id=n_vocab - 1, pad_id=n_vocab - 3)  # fmt: skip
+    n_fixed = len(byte_tokens) + len(merged) + len(specials)
+    if n_vocab < n_fixed:
+        raise ValueError(f"n_vocab {n_vocab} is below the {n_fixed} byte, merged and special tokens")
+    pads = [f"[PAD{i}]" for i in range(n_vocab - n_fixed)]
+    types = [NORMAL] * (len(byte_tokens) + len(merged)) + [UNUSED] * len(pads) + [CONTROL] * len(specials)
+    return GGUFVocab(tokens=tuple(byte_tokens + merged + pads + specials), merges=("0 0",),
+                     token_types=tuple(types), bos_id=n_vocab - 3, eos_id=n_vocab - 1, pad_id=n_vocab - 3)  # fmt: skip
 
 
 def write_gguf(

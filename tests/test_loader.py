@@ -176,3 +176,26 @@ def test_fused_attention_qkv_and_tied_output_load_as_their_parts(tmp_path):
     for name in ("q", "k", "v"):
         np.testing.assert_array_equal(getattr(attn, name), getattr(ref, name))
     np.testing.assert_array_equal(loaded.output, original.embed.T)
+
+
+def test_random_model_files_carry_the_tokenizer_keys_llama_cpp_requires(tmp_path):
+    """llama.cpp refuses a BPE vocabulary without `tokenizer.ggml.merges`; `make-random` files have one merge,
+    which the pre-tokenizer never lets apply, so our tokenizer's output is unchanged."""
+    import gguf
+
+    from jaxmodel.gguf_io import write_gguf
+    from jaxmodel.random_model import PRESETS, random_weights
+    from jaxmodel.tokenizer import load_tokenizer
+
+    cfg = PRESETS["tiny"]
+    path = tmp_path / "random.gguf"
+    write_gguf(path, cfg, random_weights(cfg), dtype="f32", name="random-tiny")
+    fields = gguf.GGUFReader(path).fields
+    merges = fields["tokenizer.ggml.merges"]
+    assert [bytes(merges.parts[i]).decode() for i in merges.data] == ["0 0"]
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == cfg.n_vocab
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2"
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.decode(tokenizer.encode("x = 100")) == "x = 100"
+    assert len(tokenizer.encode("00")) == 2

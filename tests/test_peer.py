@@ -1,0 +1,55 @@
+"""`gdnspec bench peer`: llama.cpp (the optional `[peer]` extra) agrees with our model on the bundled target,
+and without llama_cpp the command fails with the install hint.
+
+The agreement test needs llama-cpp-python with a loadable libllama (skipped otherwise, as in CI)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+from bench.prompts import CODE
+
+
+def _llama_cpp_or_skip():
+    try:
+        import llama_cpp.llama_cpp  # noqa: F401  (loads libllama)
+    except ImportError:
+        pytest.skip("llama_cpp (the [peer] extra) is not installed")
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"llama_cpp is installed but libllama did not load: {exc}")
+
+
+def test_peer_greedy_tokens_equal_ours_on_the_bundled_model():
+    _llama_cpp_or_skip()
+    from bench.peer import LlamaCpp
+    from jaxmodel import load_model
+    from jaxmodel.assets import default_model_path
+    from jaxmodel.tokenizer import load_tokenizer
+
+    path, prompt, n_new = default_model_path(), CODE[0], 16
+    with LlamaCpp(path, threads=2, n_ctx=256) as peer:
+        prompt_ids = peer.tokenize(prompt)
+        theirs = peer.greedy(prompt_ids, n_new, stop_at_eog=False)["tokens"]
+    assert len(theirs) == n_new
+    assert load_tokenizer(path).encode(prompt) == prompt_ids
+    # One rescoring of llama.cpp's sequence: where our argmax agrees at every position, our greedy decoding
+    # reproduces the same tokens (by induction over positions).
+    logits, _ = load_model(path).score(prompt_ids + theirs[:-1])
+    ours = np.argmax(logits[len(prompt_ids) - 1 :], axis=-1).tolist()
+    assert ours == theirs
+
+
+def test_bench_peer_without_llama_cpp_fails_with_the_install_hint(monkeypatch):
+    """Runs whether or not llama_cpp is installed: an import of it is made to fail."""
+    from api.cli import main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", None)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "peer", "--max-tokens", "4"])
+    message = str(exc.value)
+    assert "pip install -e '.[peer]'" in message
+    assert "LLAMA_CPP_LIB_PATH" in message
