@@ -24,7 +24,7 @@ import jax
 from drafters.policy import SpeculativeConfig
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler.engine import DEFAULT_ITERATIONS, Engine, GenerationRequest
+from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS, Engine, GenerationRequest
 from scheduler.types import DoneEvent, TokensEvent
 
 from .prompts import load_prompt_set
@@ -72,12 +72,13 @@ def run(args) -> dict:
     out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
-           "adaptive": not args.fixed_policy, "iterations": args.iterations, "repeats": args.repeats, "cells": []}  # fmt: skip
+           "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "cells": []}  # fmt: skip
 
     async def main():
         engine = Engine(model, tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20),
                         max_running=max(streams), max_model_len=args.max_model_len, n_max=args.n_max,
-                        adaptive=not args.fixed_policy, iterations=args.iterations)  # fmt: skip
+                        adaptive=not args.fixed_policy, iterations=args.iterations,
+                        draft_vocab=args.draft_vocab)  # fmt: skip
         start = time.perf_counter()
         shapes = engine.warmup()
         out["warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - start}
@@ -128,6 +129,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,
                         help="most iterations per device call (1: one per host round trip)")
+    parser.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
+                        help="the MTP head drafts among token ids below this")
     parser.add_argument("--fixed-policy", action="store_true", help="draft n_max with the first drafter always")
     args = parser.parse_args(argv)
     results = run(args)

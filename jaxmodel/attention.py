@@ -75,8 +75,14 @@ def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, page
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def choose_implementation(backend: str, n_tokens: int) -> str:
-    """The implementation `attend` runs for this backend ("cpu", "gpu", ...) and tokens per row."""
+def choose_implementation(backend: str, n_tokens: int, n_pages: int) -> str:
+    """The implementation `attend` runs for this backend ("cpu", "gpu", ...), tokens per row and page-table width.
+
+    A table of at most one block has nothing to skip: it takes the reference form, which (unlike a loop with a
+    dynamic bound) can also be differentiated, as training does over whole sequences.
+    """
+    if n_pages <= PAGES_PER_BLOCK:
+        return "reference"
     if backend == "gpu" and n_tokens <= GPU_KERNEL_MAX_TOKENS:
         return "pallas"
     return "blocked"
@@ -88,7 +94,7 @@ def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | Non
     impl: force one of IMPLEMENTATIONS (tests and benchmarks); the kernel runs interpreted off GPU.
     """
     backend = jax.default_backend()
-    impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1])
+    impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1], page_table.shape[1])
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_table, positions)
     if impl == "blocked":

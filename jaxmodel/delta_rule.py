@@ -173,41 +173,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, *, chunk_size: int =
     return out[:, :n_tokens], state
 
 
-def parallel_states(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
-    """Every token's state of a short step at once, with no loop over tokens (decode and verify steps).
-
-    Shapes as `recurrent_scan`; T must be a power of two (`invert_unit_lower`). The chunked form's algebra over one
-    chunk of T tokens, keeping each token's state: with G the cumulative log-decay and
-    v_new = (I + A)^-1 beta (v - exp(G) k S0) as in `chunk_gated_delta_rule`,
-    S_t = exp(G_t) S0 + sum_{j <= t} exp(G_t - G_j) k_j v_new_j^T, and o_t = S_t^T q_t.
-    A token-serial loop costs a few XLA operations per token; on CPU that overhead is most of a verify step's
-    cost at small head sizes.
-    """
-    n_planes, n_value_heads, dk, _ = ssm_pool.shape
-    B, T = write_planes.shape
-    heads_first = lambda x: jnp.moveaxis(x.astype(jnp.float32), 2, 1)  # [B, T, H, ...] -> [B, H, T, ...]
-    q = heads_first(tile_key_heads(q, n_value_heads)) * (dk**-0.5)  # [B, H, T, Dk]
-    k = heads_first(tile_key_heads(k, n_value_heads))  # [B, H, T, Dk]
-    v = heads_first(v)  # [B, H, T, Dv]
-    g, beta = jnp.swapaxes(g, 1, 2).astype(jnp.float32), jnp.swapaxes(beta, 1, 2).astype(jnp.float32)  # [B, H, T]
-    initial = read_planes(ssm_pool, read_plane).astype(jnp.float32)  # [B, H, Dk, Dv]
-
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    g_cum = jnp.cumsum(g, axis=-1)  # [B, H, T]
-    decay = jnp.where(causal, jnp.exp(jnp.where(causal, g_cum[..., :, None] - g_cum[..., None, :], 0.0)), 0.0)
-    kk = jnp.einsum("...id,...jd->...ij", k, k, precision=_HIGHEST)
-    a = jnp.where(jnp.tril(causal, -1), beta[..., :, None] * kk * decay, 0.0)  # [B, H, T, T]
-    recalled = jnp.exp(g_cum)[..., None] * jnp.einsum("bhtk,bhkv->bhtv", k, initial, precision=_HIGHEST)
-    v_new = jnp.matmul(invert_unit_lower(a), beta[..., None] * (v - recalled), precision=_HIGHEST)  # [B, H, T, Dv]
-    states = (jnp.exp(g_cum)[..., None, None] * initial[:, :, None]
-              + jnp.einsum("bhtj,bhjk,bhjv->bhtkv", decay, k, v_new, precision=_HIGHEST))  # [B, H, T, Dk, Dv]
-    out = jnp.einsum("bhtkv,bhtk->bthv", states, q, precision=_HIGHEST)  # [B, T, H, Dv]
-    targets = jnp.where(write_planes < 0, n_planes, write_planes).reshape(B * T)
-    flat_states = jnp.swapaxes(states, 1, 2).reshape((B * T,) + ssm_pool.shape[1:])
-    pool = ssm_pool.at[targets].set(flat_states.astype(ssm_pool.dtype), mode="drop")
-    return out, pool
-
-
 def chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, chunk_size: int = CHUNK_SIZE):
     """`chunk_gated_delta_rule` over state planes under the final_only contract.
 

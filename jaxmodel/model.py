@@ -77,13 +77,15 @@ def _residual_ffn(layer: Layer, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def mtp_forward(
-    weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array, state: ModelState
+    weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array, state: ModelState,
+    vocab: int | None = None,
 ) -> tuple[StepOutput, ModelState]:
     """The MTP block (SPEC §6.1) on (token x_t at position t, hidden h_{t-1}) pairs.
 
     hidden_in [B, T, E]: the target's post-norm hidden at t-1 (or the MTP's own, when chaining drafts).
     Uses the last KV layer of `state` (the MTP block's own pages, indexed by the same page table); the plane
     fields of `batch` are unused. Returns logits [B, R, V] for token t+1 and the MTP's post-norm hidden [B, T, E].
+    vocab: logits for token ids below it only ([B, R, vocab]), a drafting vocabulary (see `jaxmodel.speculative`).
     """
     mtp: Mtp = weights.mtp
     T = batch.tokens.shape[1]
@@ -97,7 +99,8 @@ def mtp_forward(
     )
     u = _residual_ffn(mtp.layer, cfg, u + y)
     hidden = rms_norm(u, mtp.head_norm, cfg.norm_eps)
-    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, mtp.head), hidden=hidden)
+    head = mtp.head if vocab is None else mtp.head[:, :vocab]
+    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, head), hidden=hidden)
     new_state = ModelState(k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,),
                            conv=state.conv, ssm=state.ssm, hidden=state.hidden)
     return out, new_state

@@ -123,7 +123,7 @@ LOOP_MAX_TOKENS = 16
 def _compiled(cfg: ModelConfig):
     """The jitted step and chain of a config, shared by every runtime of it (so their compilations are too)."""
     step = jax.jit(functools.partial(speculative_step, cfg=cfg),
-                   static_argnames=("final_only", "n_max", "max_iterations"), donate_argnames="state")
+                   static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab"), donate_argnames="state")
     chain = jax.jit(functools.partial(draft_chain, cfg=cfg), static_argnames="n_max", donate_argnames="state")
     return step, chain
 
@@ -133,17 +133,19 @@ class Runtime:
 
     n_chain_max: the longest draft chain a step computes on device (the MTP head's for a target, the whole chain
     for a draft model); 0 for none. max_iterations: the most iterations one step may run (short steps only).
-    stop_ids: end-of-generation ids, which end a row's iterations on device.
+    stop_ids: end-of-generation ids, which end a row's iterations on device. draft_vocab: the MTP head drafts
+    among the token ids below it (None: all).
     """
 
     def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,
                  shapes: Shapes | None = None, n_chain_max: int = 0, max_iterations: int = 1,
-                 stop_ids: Sequence[int] = ()):
+                 stop_ids: Sequence[int] = (), draft_vocab: int | None = None):
         self.model = model
         self.page_size = page_size
         self.shapes = shapes
         self.n_chain_max = n_chain_max
         self.max_iterations = max_iterations
+        self.draft_vocab = draft_vocab if draft_vocab and draft_vocab < model.cfg.n_vocab else None
         self.stop_ids = np.asarray(sorted(stop_ids) or [-1], np.int32)
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size)
         self._step, self._chain = _compiled(model.cfg)
@@ -187,6 +189,7 @@ class Runtime:
         (out, more), self.state = self._step(
             self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
             final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
+            draft_vocab=self.draft_vocab,
         )  # fmt: skip
         n_accepted, tokens, drafts, n_drafted, more = jax.device_get(
             (out.n_accepted, out.tokens, out.drafts, out.n_drafted, more)
@@ -275,6 +278,7 @@ class Runtime:
             (out, _), self.state = self._step(
                 self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
                 final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
+                draft_vocab=self.draft_vocab,
             )  # fmt: skip
             n += 1
         jax.block_until_ready(out.tokens)

@@ -77,6 +77,7 @@ def _single_token_batch(tokens, positions, live, page_table) -> StepBatch:
 def mtp_catch_up_and_chain(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden: jax.Array, hidden_before: jax.Array,
     n_kept: jax.Array, bonus: jax.Array, has_bonus: jax.Array, chain: ChainInputs, state: ModelState, n_max: int,
+    vocab: int | None = None,
 ) -> tuple[jax.Array, jax.Array, ModelState]:
     """The MTP catch-up over each row's committed tokens, then a greedy chain of up to chain.n_chain drafts.
 
@@ -97,7 +98,7 @@ def mtp_catch_up_and_chain(
         read_plane=jnp.zeros((B,), jnp.int32), write_planes=jnp.full((B, T + 1), -1, jnp.int32),
         logit_rows=n_kept[:, None],
     )  # fmt: skip
-    out, state = mtp_forward(weights, cfg, catch_up, hidden_in, state)
+    out, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
     first, prob = greedy_pick(out.logits[:, 0])
     going = on & has_bonus & (chain.n_chain >= 1) & (prob >= chain.p_min)
     drafts = jnp.zeros((B, n_max), jnp.int32).at[:, 0].set(first)
@@ -108,7 +109,7 @@ def mtp_catch_up_and_chain(
         drafts, going, n_drafted, own_hidden, state = carry
         feeding = going & (k < chain.n_chain)
         step = _single_token_batch(drafts[:, k - 1], bonus_position + k, feeding, batch.page_table)
-        out, state = mtp_forward(weights, cfg, step, own_hidden[:, None], state)
+        out, state = mtp_forward(weights, cfg, step, own_hidden[:, None], state, vocab)
         token, prob = greedy_pick(out.logits[:, 0])
         going = feeding & (prob >= chain.p_min)
         drafts = drafts.at[:, k].set(jnp.where(going, token, 0))
@@ -123,9 +124,14 @@ def mtp_catch_up_and_chain(
 
 def iteration(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
-    chain: ChainInputs, *, final_only: bool = False, n_max: int = 0,
+    chain: ChainInputs, *, final_only: bool = False, n_max: int = 0, draft_vocab: int | None = None,
 ) -> tuple[SpeculativeOutput, ModelState]:
     """Target forward, verification and (n_max > 0, the model has MTP) the next MTP drafts.
+
+    draft_vocab: the MTP head drafts among token ids below it only. Draft tokens cost a pass over the head, which
+    at a large vocabulary weighs more than the MTP block; BPE ids are in merge order, roughly by frequency, so a
+    prefix of the vocabulary holds most tokens (FR-Spec's frequency-ranked drafting). Drafts outside it are
+    never proposed; verification is unchanged, so output is too.
 
     batch as `forward`; rows verify their drafts `verify_in.drafts` (the last n_drafts of their tokens). Rows
     without logit rows (intermediate prompt chunks) commit nothing: their n_accepted is 0 and their tokens are
@@ -149,7 +155,7 @@ def iteration(
 
     def with_mtp(mtp_kv):
         return mtp_catch_up_and_chain(weights, cfg, batch, out.hidden, hidden_before, n_kept, bonus, has_bonus,
-                                      chain, mtp_kv, n_max)  # fmt: skip
+                                      chain, mtp_kv, n_max, draft_vocab)  # fmt: skip
 
     def without(mtp_kv):
         return jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), mtp_kv
@@ -203,7 +209,7 @@ def _stops(tokens: jax.Array, n_committed: jax.Array, stop_ids: jax.Array) -> ja
 def speculative_step(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
     chain: ChainInputs, loop: LoopInputs | None = None, *, final_only: bool = False, n_max: int = 0,
-    max_iterations: int = 1,
+    max_iterations: int = 1, draft_vocab: int | None = None,
 ) -> tuple[tuple[SpeculativeOutput, LoopOutput | None], ModelState]:
     """One engine step in one call: `iteration` over the batch, then, for the rows `loop` lets continue, up to
     loop.n_iterations - 1 more iterations (each feeding the bonus token and the MTP drafts of the one before),
@@ -212,7 +218,8 @@ def speculative_step(
     Returns the first iteration's output (its drafts are the ones after the row's last iteration), the later
     iterations' record (None without `loop`) and the state.
     """
-    first, state = iteration(weights, cfg, batch, state, verify_in, chain, final_only=final_only, n_max=n_max)
+    first, state = iteration(weights, cfg, batch, state, verify_in, chain, final_only=final_only, n_max=n_max,
+                             draft_vocab=draft_vocab)  # fmt: skip
     if loop is None or max_iterations <= 1:
         return (first, None), state
     B, T = batch.tokens.shape
@@ -247,7 +254,7 @@ def speculative_step(
         )  # fmt: skip
         verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
         chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), loop.n_draft, -1), chain.p_min)
-        out, state = iteration(weights, cfg, step, state, verify_j, chain_j, n_max=n_max)
+        out, state = iteration(weights, cfg, step, state, verify_j, chain_j, n_max=n_max, draft_vocab=draft_vocab)
         a = out.n_accepted
         record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
                             tokens=record.tokens.at[j - 1].set(out.tokens), n_drafts=record.n_drafts.at[j - 1].set(n_fed))

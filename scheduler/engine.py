@@ -68,7 +68,8 @@ class _NullDetokenizer:
         return ""
 
 
-DEFAULT_ITERATIONS = 4
+DEFAULT_ITERATIONS = 8
+DEFAULT_DRAFT_VOCAB = None
 
 
 class Engine:
@@ -92,13 +93,15 @@ class Engine:
         adaptive: bool = True,
         iterations: int = DEFAULT_ITERATIONS,
         stop_token_ids: Sequence[int] | None = None,
+        draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
         policy in `drafters.policy` chooses drafter and length per sequence. iterations: the most speculative
         iterations (or plain decoding steps) one device call runs while the host has nothing to decide between
         them (no request waiting or arriving, no stop string to check, drafts only from the MTP head).
-        stop_token_ids: end-of-generation ids (default: the tokenizer's)."""
+        stop_token_ids: end-of-generation ids (default: the tokenizer's). draft_vocab: the MTP head drafts among
+        the token ids below it (None: the whole vocabulary; see `jaxmodel.speculative.iteration`)."""
         cfg = model.cfg
         plane_bytes = bytes_per_plane(cfg)
         # Planes for every sequence to snapshot a full draft, but never more than half the budget.
@@ -124,7 +127,7 @@ class Engine:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.runtime = Runtime(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size,
                                shapes=shapes, n_chain_max=n_max if model.has_mtp else 0, max_iterations=iterations,
-                               stop_ids=self.stop_token_ids)  # fmt: skip
+                               stop_ids=self.stop_token_ids, draft_vocab=draft_vocab)  # fmt: skip
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(

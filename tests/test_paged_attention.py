@@ -167,11 +167,13 @@ def test_kernel_lowers_to_triton(shape):
 
 
 def test_choose_implementation():
-    assert choose_implementation("cpu", 1) == "blocked"
-    assert choose_implementation("cpu", 128) == "blocked"
-    assert choose_implementation("gpu", 1) == "pallas"
-    assert choose_implementation("gpu", attention.GPU_KERNEL_MAX_TOKENS) == "pallas"
-    assert choose_implementation("gpu", 128) == "blocked"
+    wide = 4 * attention.PAGES_PER_BLOCK
+    assert choose_implementation("cpu", 1, wide) == "blocked"
+    assert choose_implementation("cpu", 128, wide) == "blocked"
+    assert choose_implementation("gpu", 1, wide) == "pallas"
+    assert choose_implementation("gpu", attention.GPU_KERNEL_MAX_TOKENS, wide) == "pallas"
+    assert choose_implementation("gpu", 128, wide) == "blocked"
+    assert choose_implementation("cpu", 1, attention.PAGES_PER_BLOCK) == "reference"  # one block: nothing to skip
 
 
 @pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
