@@ -36,7 +36,7 @@ def _build_engine(args):
     from drafters.draft_model import check_same_vocab
     from jaxmodel import load_model
     from jaxmodel.tokenizer import load_tokenizer
-    from scheduler.engine import Engine
+    from scheduler.engine import DEFAULT_ITERATIONS, Engine
 
     model_path, draft_path = _model_paths(args)
     model = load_model(model_path)
@@ -48,7 +48,7 @@ def _build_engine(args):
     engine = Engine(
         model, tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
-        adaptive=not args.fixed_policy,
+        adaptive=not args.fixed_policy, iterations=args.iterations or DEFAULT_ITERATIONS, draft_vocab=args.draft_vocab,
     )  # fmt: skip
     return engine, tokenizer
 
@@ -62,6 +62,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n-max", type=int, default=16, help="longest draft any request may ask for")
     p.add_argument("--fixed-policy", action="store_true",
                    help="draft with each request's drafters in order at n_max instead of the adaptive policy")
+    p.add_argument("--iterations", type=int, default=None,
+                   help="most speculative iterations (or plain decoding steps) per device call (default: 8)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the MTP head drafts among the token ids below this (default: all)")
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:
