@@ -253,10 +253,14 @@ def _best_option(name: str, alpha: float, config: SpeculativeConfig, costs: Cost
 
 def planned_length(state: SequenceState, drafter: str, config: SpeculativeConfig, costs: Costs,
                    params: PolicyParams, batch_size: int = 1) -> int:
-    """The draft length `plan_step` would give `drafter` now (from its plain acceptance estimate), or the longer
-    probe length when its estimate is below the prior: what a drafter computing its draft a step early should
-    make ready."""
+    """The draft length `plan_step` would give `drafter` at the sequence's next step (from its plain acceptance
+    estimate, or the longer probe length when its estimate is below the prior): what a drafter computing its draft
+    a step early should make ready. 0 while the drafter is neither the main choice nor close to a probe (at most
+    `probe_soon` steps away)."""
     stats = state.stats.get(drafter, DrafterStats())
+    interval = stats.probe_every or params.probe_every
+    if state.main not in (drafter, _UNSET) and state.step + 1 + params.probe_soon - stats.tried_at < interval:
+        return 0
     alpha = max(acceptance(stats, params), params.prior_acceptance)
     return _best_option(drafter, alpha, config, costs, params, _target_line(costs, params, batch_size))[0]
 

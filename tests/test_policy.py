@@ -7,12 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from drafters.policy import (
-    DrafterPolicy,
-    LinearCost,
-    PolicyParams,
-    SpeculativeConfig,
-    best_length,
-    expected_accepted,
+    Costs, DrafterPolicy, DrafterStats, LinearCost, PolicyParams, SequenceState, SpeculativeConfig, best_length, expected_accepted, planned_length,
 )
 
 TARGET = (0.010, 0.001)  # the simulated target step: 10 ms + 1 ms per verified token
@@ -222,3 +217,20 @@ def test_deterministic_and_released():
     policy.release(0)
     assert 0 not in policy.sequences
     assert policy.acceptance(0, "b") == policy.acceptance(0, "a") == PolicyParams().prior_acceptance
+
+
+def test_planned_length_readies_drafts_only_for_the_main_choice_or_a_coming_probe():
+    """A drafter that drafts a step early (the MTP head, inside the target's step) is asked for a chain only when
+    the next plan may use it."""
+    params = PolicyParams()
+    config = SpeculativeConfig(("mtp",), n_max=4)
+    costs = Costs()
+    fresh = SequenceState()
+    assert planned_length(fresh, "mtp", config, costs, params) >= 1  # nothing decided yet
+    main = SequenceState(step=10, main="mtp", main_since=1, stats={"mtp": DrafterStats(8.0, 9.0, 10, 10)})
+    assert planned_length(main, "mtp", config, costs, params) >= 1
+    idle = SequenceState(step=10, main=None, main_since=1, stats={"mtp": DrafterStats(0.0, 4.0, 9, 9)})
+    assert planned_length(idle, "mtp", config, costs, params) == 0
+    probe_due = SequenceState(step=9 + params.probe_every - params.probe_soon, main=None, main_since=1,
+                              stats={"mtp": DrafterStats(0.0, 4.0, 9, 9)})
+    assert planned_length(probe_due, "mtp", config, costs, params) >= 1
