@@ -7,7 +7,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from drafters.policy import (
-    Costs, DrafterPolicy, DrafterStats, LinearCost, PolicyParams, SequenceState, SpeculativeConfig, best_length, expected_accepted, planned_length,
+    Costs,
+    DrafterPolicy,
+    DrafterStats,
+    LinearCost,
+    PolicyParams,
+    SequenceState,
+    SpeculativeConfig,
+    best_length,
+    expected_accepted,
+    planned_length,
 )
 
 TARGET = (0.010, 0.001)  # the simulated target step: 10 ms + 1 ms per verified token
