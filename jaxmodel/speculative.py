@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .layers import linear
 from .model import forward, mtp_forward
 from .sampling import SamplingParams, verify
 from .state import ModelState, StepBatch, read_planes
@@ -96,19 +97,34 @@ def mtp_catch_up_and_chain(
     catch_up = StepBatch(
         tokens=tokens, positions=start + index, n_tokens=n_tokens, page_table=batch.page_table,
         read_plane=jnp.zeros((B,), jnp.int32), write_planes=jnp.full((B, T + 1), -1, jnp.int32),
-        logit_rows=n_kept[:, None],
+        logit_rows=jnp.zeros((B, 0), jnp.int32),  # no logits here: the chain below computes the ones it needs
     )  # fmt: skip
     out, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
-    first, prob = greedy_pick(out.logits[:, 0])
-    going = on & has_bonus & (chain.n_chain >= 1) & (prob >= chain.p_min)
-    drafts = jnp.zeros((B, n_max), jnp.int32).at[:, 0].set(first)
     own_hidden = jnp.take_along_axis(out.hidden, n_kept[:, None, None], axis=1)[:, 0]  # [B, E] at the bonus
-    bonus_position = start[:, 0] + n_kept
+    chaining = on & has_bonus & (chain.n_chain >= 1)
+    # Rows that only catch up (the policy is not drafting with the head now) skip the pass over the head.
+    return jax.lax.cond(
+        jnp.any(chaining),
+        lambda state: _chain(weights, cfg, batch.page_table, own_hidden, start[:, 0] + n_kept, chaining, chain,
+                             state, n_max, vocab),
+        lambda state: (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), state),
+        state,
+    )  # fmt: skip
+
+
+def _chain(weights, cfg, page_table, own_hidden, bonus_position, chaining, chain: ChainInputs, state, n_max, vocab):
+    """The greedy chain from the MTP's hidden at each bonus token [B, E]: draft 1 from it, then one MTP step per
+    draft. Returns drafts [B, n_max], n_drafted [B] and the state."""
+    B = own_hidden.shape[0]
+    head = weights.mtp.head if vocab is None else weights.mtp.head[:, :vocab]
+    first, prob = greedy_pick(linear(own_hidden, head))
+    going = chaining & (prob >= chain.p_min)
+    drafts = jnp.zeros((B, n_max), jnp.int32).at[:, 0].set(first)
 
     def link(k, carry):
         drafts, going, n_drafted, own_hidden, state = carry
         feeding = going & (k < chain.n_chain)
-        step = _single_token_batch(drafts[:, k - 1], bonus_position + k, feeding, batch.page_table)
+        step = _single_token_batch(drafts[:, k - 1], bonus_position + k, feeding, page_table)
         out, state = mtp_forward(weights, cfg, step, own_hidden[:, None], state, vocab)
         token, prob = greedy_pick(out.logits[:, 0])
         going = feeding & (prob >= chain.p_min)
