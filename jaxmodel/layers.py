@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -18,55 +16,9 @@ def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
     return x.astype(jnp.float16).astype(jnp.float32) if w.dtype == jnp.float16 else x
 
 
-# Small-row products on XLA's CPU backend: see linear(). jaxlib 0.10 hands every f32 dot with 2+ rows to YNNPACK,
-# which costs 3-4x the 1-row product (XLA's own matrix-vector kernel) at the 0.8B model's shapes although both
-# stream the same weights once.
-_SPLIT_ROWS = 2  # up to this many rows: one matrix-vector product per row
-_SPLIT_ROWS_WIDE = 4  # ... up to this many when n_out >= _WIDE (the LM head)
-_WIDE = 16384
-_EIGEN_ROWS = 32  # above that (prefill chunks), YNNPACK's matrix product wins
-_MIN_WEIGHTS = 1 << 19  # n_in * n_out below this (cache-resident; all the bundled model's but its head): plain dot
-
-
-def _eigen_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] @ w [K, N] as dot_general(x^T, w) contracting dim 0 of both. YNNPACK declines a column-major lhs;
-    the barrier keeps XLA from folding the transpose back into a row-major dot."""
-    xt = jax.lax.optimization_barrier(x.T)
-    return jax.lax.dot_general(xt, w, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
 def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32.
-
-    The formulation is fixed at trace time from M = prod(x.shape[:-1]) and w's shape; all compute the same f32
-    product (only the summation order differs). On CPU, for float32 w with n_in * n_out >= 2^19:
-      M <= 1 or M > 32: the plain dot;
-      M = 2 (M <= 4 when n_out >= 16384): M separate 1-row products, each at the 1-row rate;
-      otherwise (M = 3..32): the dot on x^T (`_eigen_dot`), which XLA runs with Eigen instead of YNNPACK.
-    Measured with `python -m bench.matmul_cpu` (bench/results/matmul-cpu.json; 2-core AVX2 EPYC, weights streamed
-    from DRAM, summed over one 0.8B step's matmuls): 1-row products 1.35x over the dot at M = 2; x^T dot 1.5x at
-    M = 3, 1.4-1.6x at M = 4, 1.2-1.35x at M = 8 and 16, 1.3x at M = 32, about even at M = 64, 2x slower at M = 256;
-    LM head at M = 4: 1-row products 24 ms, x^T dot 28, dot 32. Small weights, f16 weights and other backends
-    take the plain dot (no gain measured, or not measured).
-    """
-    x = as_matmul_input(x, w)
-    n_in, n_out = w.shape
-    lead = x.shape[:-1]
-    M = math.prod(lead)
-    split = M <= (_SPLIT_ROWS_WIDE if n_out >= _WIDE else _SPLIT_ROWS)
-    if (
-        M <= 1
-        or M > _EIGEN_ROWS
-        or w.dtype != jnp.float32
-        or n_in * n_out < _MIN_WEIGHTS
-        or jax.default_backend() != "cpu"
-    ):
-        y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32)
-    elif split:
-        rows = x.reshape(M, n_in).astype(jnp.float32)
-        y = jnp.stack([jnp.dot(rows[i], w, preferred_element_type=jnp.float32) for i in range(M)]).reshape(*lead, n_out)
-    else:
-        y = _eigen_dot(x.reshape(M, n_in).astype(jnp.float32), w).reshape(*lead, n_out)
+    """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32."""
+    y = jnp.einsum("...i,io->...o", as_matmul_input(x, w), w, preferred_element_type=jnp.float32)
     return y if bias is None else y + bias
 
 
