@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import time
@@ -28,6 +27,7 @@ import numpy as np
 from jaxmodel import attention, load_model
 from jaxmodel.assets import default_model_path
 from jaxmodel.state import Row, pack_batch
+from bench import save_json
 
 PAGE_SIZE = 16
 # (name, n_head, n_head_kv, head_dim)
@@ -158,9 +158,7 @@ def main(argv=None) -> dict:
                                      "head_dim": head_dim, "impl": impl, "max_model_len": n, "ms": ms})
             print(f"layer  {shape:12s} {impl:12s} max_model_len {n:5d}: {ms:8.3f} ms", flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        save_json(results, args.out)
     return results
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import time
 
@@ -22,6 +21,7 @@ from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from scheduler.engine import Engine, GenerationRequest
 from scheduler.types import TokensEvent
+from bench import save_json
 
 
 async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:
@@ -45,12 +45,6 @@ async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:
     per_seq = [len(r["tokens"]) / (r["end"] - r["start"]) for r in results.values()]
     return {"tokens": [results[i]["tokens"] for i in range(len(requests))], "wall_s": wall,
             "tokens_per_s": total / wall, "per_seq_tokens_per_s": float(np.mean(per_seq))}  # fmt: skip
-
-
-def _save(results: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
 
 
 def run(args) -> dict:
@@ -99,7 +93,7 @@ def run(args) -> dict:
                                     "tokens_per_s": result["tokens_per_s"],
                                     "per_seq_tokens_per_s": result["per_seq_tokens_per_s"],
                                     "speedup_vs_plain": speedup})  # fmt: skip
-                _save(out, args.out)  # a partial run still leaves its results
+                save_json(out, args.out)  # a partial run still leaves its results
     return out
 
 
@@ -141,7 +135,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget-mb", type=float, default=1024)
     args = parser.parse_args(argv)
     results = run(args)
-    _save(results, args.out)
+    save_json(results, args.out)
     plot(results, os.path.splitext(args.out)[0] + ".png")
     return results
 

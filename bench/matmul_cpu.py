@@ -48,6 +48,7 @@ import platform
 import subprocess
 import sys
 import time
+from bench import save_json
 
 # XLA flag sets; each runs in its own process. jaxlib 0.10 aborts on flags it does not know ("Unknown flags in
 # XLA_FLAGS"), e.g. --xla_cpu_enable_custom_matmul_tiling; --xla_cpu_use_thunk_runtime=false is accepted but ignored.
@@ -383,18 +384,12 @@ def main(argv=None) -> dict:
             results["rows"] += [dict(r, run=0) for r in rows]
             print_table(rows)
             if args.out:  # keep what is done so far
-                _write(args.out, results)
+                save_json(results, args.out, indent=1)
     results["summary"] = summarize(results["rows"])
     if args.out:
-        _write(args.out, results)
+        save_json(results, args.out, indent=1)
     print_summary(results["summary"])
     return results
-
-
-def _write(path: str, results: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.prompts import load_prompt_set
+from bench import save_json
 
 INSTALL_HINT = (
     "    pip install -e '.[peer]'            # builds llama.cpp from source (slow), or\n"
@@ -491,10 +492,7 @@ def main(argv=None) -> dict:
     results["load_average_at_end"] = os.getloadavg()
     results["elapsed_s"] = round(time.perf_counter() - started, 1)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
+        save_json(results, args.out, indent=1)
     return results
 
 

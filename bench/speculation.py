@@ -12,7 +12,6 @@ median is reported with the spread.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -28,6 +27,7 @@ from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS, Engine, Ge
 from scheduler.types import DoneEvent, TokensEvent
 
 from .prompts import load_prompt_set
+from bench import save_json
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "jaxmodel", "assets")
 DEFAULT_MODEL = os.path.join(ASSETS, "gdnspec-stdlib-target-q8_0.gguf")
@@ -135,9 +135,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     results = run(args)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        save_json(results, args.out)
     return results
 
 

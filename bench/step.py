@@ -8,7 +8,6 @@ Each measurement runs warm (compiled beforehand) steps over sequences holding `-
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -18,6 +17,7 @@ import numpy as np
 
 from jaxmodel import load_model
 from jaxmodel.state import Row, bucket, pack_batch
+from bench import save_json
 
 
 def _prefilled(model, n_seqs: int, context: int, page_size: int = 16):
@@ -87,9 +87,7 @@ def main(argv=None) -> dict:
         results["verify"].append({"T": t, "step_ms": sec * 1e3, "ratio_to_T1": sec / base})
         print(f"verify  T {t:3d}: {sec * 1e3:8.1f} ms/step  {sec / base:5.2f}x T=1", flush=True)
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        save_json(results, args.out)
     return results
 
 

@@ -11,7 +11,7 @@ from typing import Hashable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from jaxmodel.runtime import RowResult as StepResult
+from jaxmodel.runtime import RowResult
 
 SeqId = Hashable
 
@@ -89,6 +89,6 @@ class Drafter(Protocol):
         only (the head must see every committed token)."""
         return -1
 
-    def after_step(self, seq_id: SeqId, n_tokens: int, result: StepResult) -> None:
+    def after_step(self, seq_id: SeqId, n_tokens: int, result: RowResult) -> None:
         """The target step committed `result.committed` for the sequence, which now holds n_tokens tokens;
         `result.next_drafts` are the drafts chained on device for its next step."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Draft, Drafter, DraftRequest, SeqId, StepResult
+from jaxmodel.runtime import RowResult
+
+from .base import Draft, Drafter, DraftRequest, SeqId
 
 
 class MtpDrafter(Drafter):
@@ -25,7 +27,7 @@ class MtpDrafter(Drafter):
     def device_chain(self, seq_id: SeqId, n_next: int) -> int:
         return max(n_next, 0)
 
-    def after_step(self, seq_id: SeqId, n_tokens: int, result: StepResult) -> None:
+    def after_step(self, seq_id: SeqId, n_tokens: int, result: RowResult) -> None:
         if result.committed:
             self.ready[seq_id] = (n_tokens, list(result.next_drafts))
 
