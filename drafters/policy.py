@@ -14,7 +14,10 @@ Cost, measured by the engine. A target step verifying n tokens costs target(n) =
 proposal of d tokens costs proposal_i(d) = fixed_i + per_token_i * d; each line is fitted by discounted least
 squares to what the engine reports (`record_target`, `record_proposal`). Until something is reported, a target step
 costs 1, a verified token 1/16 of that (`target_token_prior`), and proposals nothing; while all measurements share one
-n, a small ridge prior splits the target's cost in that ratio. Sequences batched together share a step: with B of
+n, a small ridge prior splits the target's cost in that ratio. The engine calibrates before serving (`calibrate`): warm
+steps of one row at 1 and 1 + n_max tokens set that ratio and are the first measurements. It reports decoding steps
+only (a prompt chunk's cost says little about a draft's), and the draft chain the MTP head runs inside the target's
+step as that drafter's proposal cost, from the chain's calibrated cost per draft. Sequences batched together share a step: with B of
 them each is charged fixed / B (for alike sequences, the per-sequence optimum is then the batch's optimum).
 
 Value. A draft of length d with per-token acceptance alpha yields E[accepted] = (1 - alpha^(d+1)) / (1 - alpha) - 1
@@ -334,6 +337,21 @@ class DrafterPolicy:
         """A target step of `n_tokens` tokens in all (each sequence's 1 + drafts, plus prompt chunks) took `seconds`."""
         target = self.costs.target.observed(n_tokens, seconds, self.params.cost_decay)
         self.costs = replace(self.costs, target=target)
+
+    def calibrate(self, steps: Mapping[tuple[int, int], float]) -> None:
+        """Start from warm steps timed before serving, {(rows, tokens per row): seconds}: each is recorded as a
+        measurement, and the one-row steps set `target_token_prior`, the ratio of a verified token's cost to a
+        step's fixed cost that decides the split while later measurements all share one n (as they do when every
+        sequence keeps drafting the same length)."""
+        one_row = sorted((T, seconds) for (B, T), seconds in steps.items() if B == 1)
+        if len(one_row) >= 2:
+            (t0, s0), (t1, s1) = one_row[0], one_row[-1]
+            per_token = max(s1 - s0, 0.0) / (t1 - t0)
+            fixed = s0 - per_token * t0
+            if fixed > 0.0:
+                self.params = replace(self.params, target_token_prior=per_token / fixed)
+        for (B, T), seconds in sorted(steps.items()):
+            self.record_target(seconds, B * T)
 
     def record_proposal(self, drafter: str, seconds: float, n_tokens: int) -> None:
         """`drafter` proposed `n_tokens` tokens for one sequence; `seconds` is that sequence's share of the call."""

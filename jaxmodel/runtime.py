@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ from .delta_rule import CPU_CHUNKED_MIN_TOKENS
 from .model import Model
 from .sampling import SamplingParams
 from .speculative import ChainInputs, LoopInputs, VerifyInputs, draft_chain, speculative_step
-from .state import Row, StepOutput, bucket, pack_batch
+from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, pack_batch
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,14 @@ class RowResult:
     committed: list[int]  # accepted drafts + one token from the target; empty when nothing was committed
     next_drafts: list[int]  # the MTP head's drafts continuing after the row's last committed token
     more: list[Iteration] = field(default_factory=list)  # later iterations in the same call
+
+
+@dataclass
+class Calibration:
+    """Warm step times measured by `Runtime.calibrate`, in seconds."""
+
+    step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens per row) -> a step
+    chain_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what one chained MTP draft adds
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,7 @@ class Runtime:
         self.stop_ids = np.asarray(sorted(stop_ids) or [-1], np.int32)
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size)
         self._step, self._chain = _compiled(model.cfg)
+        self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
 
     @property
     def mtp_chain_max(self) -> int:
@@ -283,6 +293,42 @@ class Runtime:
             n += 1
         jax.block_until_ready(out.tokens)
         return n
+
+    def calibrate(self, repeats: int = 5) -> Calibration:
+        """Time warm steps of every batch bucket B on rows that feed the trash page from the null plane and write
+        nothing else: a decoding step (T = 1), a verify step of 1 + n_chain_max tokens, and (with MTP drafting)
+        the same verify step chaining n_chain_max drafts on device, whose extra time over n_chain_max is what one
+        chained draft adds (a call's time cannot be split into its parts afterwards). The minimum of `repeats`
+        runs each; call after `warmup` (these shapes compile). Also keeps the chain costs for `chain_cost`."""
+        calibration = Calibration()
+        if self.shapes is None:
+            return calibration
+        n = max(self.n_chain_max, 1)
+        T_verify = self.shapes.tokens(1 + n)
+
+        def best(B: int, T: int, n_chain: int) -> float:
+            rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, [-1] * T, range(T)), drafts=[1] * (T - 1),
+                            n_chain=n_chain) for _ in range(B)]  # fmt: skip
+            seconds = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.step(rows)
+                seconds = min(seconds, time.perf_counter() - start)
+            return seconds
+
+        for B in sorted({self.shapes.batch(k) for k in range(1, self.shapes.max_rows + 1)}):
+            calibration.step_seconds[B, 1] = best(B, 1, -1)
+            calibration.step_seconds[B, T_verify] = verify = best(B, T_verify, -1)
+            if self.mtp_chain_max:
+                chained = best(B, T_verify, self.mtp_chain_max)
+                calibration.chain_seconds[B] = max(chained - verify, 0.0) / self.mtp_chain_max
+        self.chain_seconds = dict(calibration.chain_seconds)
+        return calibration
+
+    def chain_cost(self, n_rows: int) -> float:
+        """Seconds one chained draft adds to a step of n_rows rows (0 before `calibrate`)."""
+        B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
+        return self.chain_seconds.get(B, 0.0)
 
     def warmup_chain(self) -> int:
         """Compile a draft model's chain and catch-up shapes; returns how many compiled."""

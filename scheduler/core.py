@@ -38,11 +38,11 @@ from dataclasses import dataclass, field, replace
 
 from .memory import DraftCandidate, MemoryManager, pages_for
 from .stops import scan_stop_strings
-from .types import (Committed, Continued, Detokenizer, DoneEvent, DraftStats, Event, FinishReason, Mode, Request,
-                    Row, SeqId, StepPlan, TokensEvent)
+from .types import (Committed, Continued, Detokenizer, DoneEvent, DraftPlan, DraftStats, Event, FinishReason, Mode,
+                    Request, Row, SeqId, StepPlan, TokensEvent)
 
 PLANES_PER_SEQUENCE = 2
-ACCEPTANCE_DECAY = 0.8  # weight of the past in a sequence's acceptance estimate
+PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence without a draft plan (see `schedule`)
 
 
 @dataclass(eq=False)
@@ -62,8 +62,6 @@ class _Sequence:
     held_text: str = ""
     abort_requested: bool = False
     preemptions: int = 0
-    accepted_ewma: float = 0.0  # decayed counts of accepted drafts and of rejections (geometric model)
-    rejected_ewma: float = 0.0
     draft_stats: dict[str, list[int]] = field(default_factory=dict)
     rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0})
 
@@ -74,11 +72,6 @@ class _Sequence:
     @property
     def to_compute(self) -> int:
         return len(self.tokens) - self.n_computed
-
-    @property
-    def alpha(self) -> float:
-        """Per-token acceptance estimate, with one pseudo-count each way."""
-        return (self.accepted_ewma + 1.0) / (self.accepted_ewma + self.rejected_ewma + 2.0)
 
 
 @dataclass(eq=False)
@@ -188,10 +181,19 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
-        """The next step's plan. Its rows must be committed with `update` (or dropped with `fail`) before the next.
+    def may_draft(self) -> list[SeqId]:
+        """The running sequences whose next row may carry a draft (they reach their newest token within a chunk and
+        their request drafts): the ones the drafter policy plans for before `schedule`."""
+        return [seq.request.seq_id for seq in self._running
+                if seq.request.n_max > 0 and 0 < seq.to_compute <= self.chunk_size]
 
+    def schedule(self, drafts: Mapping[SeqId, DraftPlan] | None = None) -> StepPlan:
+        """The next step's plan. Its rows must be committed with `update` (or dropped with `fail`) before the next.
         A plan without rows needs neither.
+
+        drafts: the drafter policy's plan per sequence, made first; memory is then granted for it (a draft may come
+        out shorter, never longer). A sequence without an entry may draft up to its request's n_max, at an assumed
+        acceptance of PRIOR_ACCEPTANCE.
         """
         if self._in_flight is not None:
             raise RuntimeError(f"step {self._in_flight.step} is still in flight")
@@ -217,7 +219,7 @@ class Scheduler:
             specs.append(_RowSpec(seq, n_feed))
             budget -= n_feed
 
-        budget = self._grant_drafts(specs, budget)
+        budget = self._grant_drafts(specs, budget, drafts or {})
         if self.lookahead and not self._waiting:
             self._hold_lookahead(specs)
 
@@ -327,14 +329,15 @@ class Scheduler:
         if [r.seq_id for r in plan.rows] != [r.seq_id for r in self._in_flight.rows]:
             raise RuntimeError(f"step {plan.step}: rows differ from the scheduled plan")
 
-    def _grant_drafts(self, specs: list[_RowSpec], budget: int) -> int:
+    def _grant_drafts(self, specs: list[_RowSpec], budget: int, drafts: Mapping[SeqId, DraftPlan]) -> int:
         """Give rows that reach `last` their draft length and mode; returns the budget left."""
         candidates = []
         for spec in specs:
             seq, req = spec.seq, spec.seq.request
             reaches_last = spec.n_feed == seq.to_compute
             pending = spec.n_feed - 1
-            want = min(req.n_max,
+            plan = drafts.get(req.seq_id, DraftPlan(req.n_max, PRIOR_ACCEPTANCE))
+            want = min(plan.n_draft, req.n_max,
                        req.max_tokens - seq.n_generated - 1,
                        self.max_model_len - len(seq.tokens) - 1)
             if not reaches_last or pending > req.n_max or want <= 0:
@@ -342,7 +345,7 @@ class Scheduler:
             spare = len(seq.planes) - (seq.live_plane != 0)
             candidates.append(DraftCandidate(seq.request.seq_id, want, req.rollback,
                                              kv_end=seq.n_computed + spec.n_feed, pages_owned=len(seq.pages),
-                                             spare_planes=spare, n_pending=pending, alpha=seq.alpha))
+                                             spare_planes=spare, n_pending=pending, alpha=plan.alpha))
         if not candidates:
             return budget
         reserve = PLANES_PER_SEQUENCE * min(len(self._waiting), self.max_running - len(self._running))
@@ -381,8 +384,6 @@ class Scheduler:
             stats[0] += n_drafts
             stats[1] += n_accepted
             seq.rollback_steps[row.mode] += 1
-            seq.accepted_ewma = ACCEPTANCE_DECAY * seq.accepted_ewma + n_accepted
-            seq.rejected_ewma = ACCEPTANCE_DECAY * seq.rejected_ewma + (n_accepted < n_drafts)
 
     def _commit(self, seq: _Sequence, result: Committed, row: Row) -> list[Event]:
         """Append committed tokens up to a stop; emit their ids and the text that is safe to show."""

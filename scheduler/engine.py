@@ -28,7 +28,7 @@ from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
 
 from .core import Scheduler
 from .memory import MemoryManager, pages_for, pool_sizes
-from .types import Committed, Continued, DoneEvent, Event, Request, Row, StepPlan, TokensEvent
+from .types import Committed, Continued, DoneEvent, DraftPlan, Event, Request, Row, SeqId, StepPlan, TokensEvent
 
 
 @dataclass(frozen=True)
@@ -154,20 +154,24 @@ class Engine:
         """One scheduler step, synchronously: schedule, draft, run (forward, verification and the next on-device
         drafts in one device call, several iterations of it when the host has nothing to decide between them),
         commit. quiet: no request is arriving (so nothing waits for the host). Returns the events."""
-        plan = self.scheduler.schedule()
+        choices = self._plan_drafts()
+        plan = self.scheduler.schedule({
+            seq_id: DraftPlan(max(c.n_draft for c in options), self.policy.acceptance(seq_id, options[0].drafter))
+            if options else DraftPlan(0, 0.0)
+            for seq_id, options in choices.items()
+        })  # fmt: skip
         if not plan.rows:
             return []
         start = time.perf_counter()
         for row in plan.rows:
             if row.params.timing.scheduled is None:
                 row.params.timing.scheduled = start
-        plan = self._attach_drafts(plan)
+        plan = self._attach_drafts(plan, choices)
         iterations = self.iterations if quiet and not self.scheduler.n_waiting else 1
         rows = [self._step_row(row, len(plan.rows), iterations > 1) for row in plan.rows]
         start = time.perf_counter()
         results = self.runtime.step(rows, iterations)
-        n_iterations = 1 + max(len(r.more) for r in results)
-        self.policy.record_target((time.perf_counter() - start) / n_iterations, plan.n_tokens)
+        self._record_costs(plan, rows, results, time.perf_counter() - start)
         committed, continued = {}, {}
         for row, step_row, result in zip(plan.rows, rows, results):
             if not row.needs_logits:
@@ -191,6 +195,23 @@ class Engine:
                 self._release(event.seq_id)
         self.steps += 1
         return events
+
+    def _record_costs(self, plan: StepPlan, rows: list[StepRow], results, seconds: float) -> None:
+        """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
+        (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
+        the drafter that chains on device, shared by the rows that chained. Steps with prompt chunks are not
+        reported: their cost follows the chunk, not the drafts."""
+        if not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
+            return
+        n_iterations = 1 + max(len(r.more) for r in results)
+        chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
+        per_draft = self.runtime.chain_cost(len(rows))
+        chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
+        self.policy.record_target(max(seconds / n_iterations - chain_seconds, 0.0), plan.n_tokens)
+        for row, n_chain in chaining:
+            name = self._device_drafter(row)
+            if name is not None:
+                self.policy.record_proposal(name, chain_seconds * n_chain / sum(n for _, n in chaining), n_chain)
 
     def _observe(self, seq_id, drafter: str | None, drafted: int, accepted: int, committed) -> None:
         if drafter is not None:
@@ -220,24 +241,34 @@ class Engine:
         device = self._device_drafter(row)
         if (may_loop and row.needs_logits and len(row.fed) == 1 and row.mode in ("snapshot", None)
                 and row.drafter in (None, device) and not self.scheduler.request(row.seq_id).stop_strings):
-            n_draft = row.draft_max if device is not None and row.mode == "snapshot" else 0
+            n_draft = min(max(n_chain, 0), row.draft_max) if device is not None and row.mode == "snapshot" else 0
             loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id))
         return StepRow(row, row.drafts, row.params.sampling, n_chain, p_min, loop)
 
-    def _attach_drafts(self, plan: StepPlan) -> StepPlan:
+    def _plan_drafts(self) -> dict[SeqId, list[Choice]]:
+        """The policy's drafters and lengths, in order, for every sequence that may draft this step, chosen before
+        memory is granted (an empty plan borrows no planes)."""
+        may_draft = self.scheduler.may_draft()
+        planned = {}
+        for seq_id in may_draft:
+            config = self.scheduler.request(seq_id).params.speculative
+            if config is None:
+                continue
+            if self.adaptive:
+                choices = self.policy.plan(seq_id, config, len(may_draft))
+            else:
+                choices = [Choice(name, config.n_max) for name in config.drafters]
+            planned[seq_id] = [c for c in choices if c.drafter in self.drafters and c.n_draft > 0]
+        return planned
+
+    def _attach_drafts(self, plan: StepPlan, choices: dict[SeqId, list[Choice]]) -> StepPlan:
         """Per sequence, the policy's drafters in order; each round batches the sequences still without a draft
         by drafter, so every drafter proposes once per round for all the sequences that chose it."""
         options = {}
         for row in plan.rows:
             config = row.params.speculative
-            if row.draft_max > 0 and config is not None:
-                if self.adaptive:
-                    choices = self.policy.plan(row.seq_id, config, len(plan.rows))
-                else:
-                    choices = [Choice(name, config.n_max) for name in config.drafters]
-                choices = [c for c in choices if c.drafter in self.drafters]
-                if choices:
-                    options[row.seq_id] = (row, config, choices)
+            if row.draft_max > 0 and config is not None and choices.get(row.seq_id):
+                options[row.seq_id] = (row, config, choices[row.seq_id])
         drafts, names = {}, {}
         for round_ in itertools.count():
             by_drafter: dict[str, list] = {}
@@ -255,16 +286,21 @@ class Engine:
                 start = time.perf_counter()
                 proposals = self.drafters[name].propose(requests)
                 share = (time.perf_counter() - start) / len(requests)
+                on_device = self.drafters[name].device_chain(requests[0].seq_id, 0) >= 0  # costed in `_record_costs`
                 for (row, config, _), proposal in zip(entries, proposals):
-                    self.policy.record_proposal(name, share, len(proposal.tokens))
+                    if not on_device:
+                        self.policy.record_proposal(name, share, len(proposal.tokens))
                     if len(proposal.tokens) >= max(config.n_min, 1):
                         drafts[row.seq_id] = proposal.tokens[: row.draft_max]
                         names[row.seq_id] = name
         return plan.with_drafts(drafts, names)
 
     def warmup(self) -> int:
-        """Compile every step shape this engine can run before serving; returns how many compiled."""
-        return self.runtime.warmup() + sum(drafter.warmup() for drafter in self.drafters.values())
+        """Compile every step shape this engine can run before serving, then time a few of them for the drafter
+        policy's costs (`Runtime.calibrate`); returns how many shapes compiled."""
+        n = self.runtime.warmup() + sum(drafter.warmup() for drafter in self.drafters.values())
+        self.policy.calibrate(self.runtime.calibrate().step_seconds)
+        return n
 
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():

@@ -171,6 +171,16 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class DraftPlan:
+    """What the drafter policy plans for a sequence's next step, before memory is granted for it: a draft of up to
+    n_draft tokens, each accepted with probability alpha after the ones before (the policy's estimate for the
+    drafter it chose). The scheduler grants pages and planes for it and may shorten it, never lengthen it."""
+
+    n_draft: int
+    alpha: float
+
+
+@dataclass(frozen=True)
 class Committed:
     """A verified row: `tokens` = the accepted drafts then one token sampled from the target."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 from conftest import DATA, plain_greedy
@@ -9,7 +10,7 @@ from conftest import DATA, plain_greedy
 from drafters.base import DraftRequest
 from drafters.draft_model import DraftModelDrafter, check_same_vocab
 from jaxmodel import load_model
-from jaxmodel.runtime import Runtime, StepRow
+from jaxmodel.runtime import Runtime, Shapes, StepRow
 from jaxmodel.state import Row
 
 
@@ -76,3 +77,23 @@ def test_draft_model_vocabulary_is_checked(tmp_path):
     check_same_vocab(str(DATA / "tiny-qwen35-mtp.gguf"), str(DATA / "tiny-qwen35-f16.gguf"))
     with pytest.raises(ValueError, match=r"different vocabulary .* \(640 vs 512 tokens"):
         check_same_vocab(str(DATA / "tiny-qwen35-mtp.gguf"), str(DATA / "tiny-qwen35moe.gguf"))
+
+
+def test_calibration_times_steps_without_touching_sequences(target):
+    """`Runtime.calibrate` times a decoding step, a verify step and the same verify step chaining MTP drafts, on
+    rows that read the null plane and write only the trash page: every plane and every other page is unchanged."""
+    runtime = Runtime(target, n_pages=3, n_planes=3, n_chain_max=3,
+                      shapes=Shapes(max_rows=1, max_tokens=4, max_logit_rows=4, pages_per_row=2))  # fmt: skip
+    rng = np.random.default_rng(6)
+    tokens = [int(t) for t in rng.integers(0, 509, 4)]
+    runtime.step([StepRow(Row(tokens, 0, [1, 2], 0, [-1] * 3 + [1], [3]), n_chain=0)])  # a sequence's state
+    before = jax.tree.map(np.array, runtime.state)
+    calibration = runtime.calibrate(repeats=2)
+    assert set(calibration.step_seconds) == {(1, 1), (1, 4)} and all(s > 0 for s in calibration.step_seconds.values())
+    assert set(calibration.chain_seconds) == {1} and runtime.chain_cost(1) == calibration.chain_seconds[1] >= 0
+    after = jax.tree.map(np.array, runtime.state)
+    for pool_before, pool_after in zip(before.k_pages + before.v_pages, after.k_pages + after.v_pages):
+        np.testing.assert_array_equal(pool_before[1:], pool_after[1:])  # page 0 is the trash page
+    for pool_before, pool_after in zip(before.conv + before.ssm + (before.hidden,),
+                                       after.conv + after.ssm + (after.hidden,)):  # fmt: skip
+        np.testing.assert_array_equal(pool_before, pool_after)

@@ -112,6 +112,32 @@ def test_cost_line_fit():
     assert per_token == pytest.approx(fixed / 16, rel=1e-3)
 
 
+def test_calibration_splits_the_target_cost_and_decides_drafting():
+    """Warm steps timed before serving set the fixed/per-token split that later measurements, all of one length
+    while a sequence keeps drafting the same, cannot: where a verify step of up to 4 tokens costs 3.4x a decoding
+    step, a drafter accepted 70% of the time does not pay; where it costs 1.5x, it does."""
+    config = SpeculativeConfig(("mtp",), n_max=3)
+    runs = recorded(0.7, steps=400)
+    for verify_cost, pays in ((3.4e-3, False), (1.5e-3, True)):
+        policy = DrafterPolicy()
+        policy.calibrate({(1, 1): 1.0e-3, (1, 4): verify_cost})
+        per_token = (verify_cost - 1.0e-3) / 3
+        assert policy.params.target_token_prior == pytest.approx(per_token / (1.0e-3 - per_token))
+        drafting = []
+        for step in range(400):
+            choices = policy.plan(0, config)
+            d = choices[0].n_draft if choices else 0
+            policy.record_target(verify_cost if d else 1.0e-3, 1 + d)
+            if d:
+                policy.record_proposal("mtp", 1.0e-4 * d, d)
+                policy.observe(0, "mtp", d, min(d, runs[step]))
+            drafting.append(d > 0)
+        assert (sum(drafting[200:]) > 150) is pays
+        fixed, slope = policy.costs.target.coefficients(policy.params.cost_ridge, policy.params.target_token_prior,
+                                                        default=(1.0, 0.0))  # fmt: skip
+        assert fixed + slope == pytest.approx(1.0e-3, rel=0.15)  # a decoding step, seen only in the calibration
+
+
 def test_sharing_the_step_shortens_drafts():
     alone = best_length(0.8, 1, 64, (0.01, 0.001), (0.0, 0.0005))[0]
     shared = best_length(0.8, 1, 64, (0.01 / 64, 0.001), (0.0, 0.0005))[0]

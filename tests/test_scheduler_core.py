@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from scheduler.core import Scheduler
 from scheduler.memory import MemoryManager, PoolSizes, pages_for
 from scheduler.stops import scan_stop_strings
-from scheduler.types import Committed, DoneEvent, Request, StepPlan, TokensEvent
+from scheduler.types import Committed, DoneEvent, DraftPlan, Request, StepPlan, TokensEvent
 
 V = 32
 EOS = 0
@@ -415,6 +415,30 @@ def test_snapshot_with_few_planes_shortens_drafts_and_auto_falls_back():
     assert len(snap.write_pool) == 2 and len(auto.write_pool) == 1
     sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
     assert sched.memory.free_planes == 1
+
+
+def test_memory_is_granted_for_the_policys_plan():
+    """The drafter policy plans first: a sequence it does not draft for borrows no plane, one it plans a short
+    draft for gets that length (not its request's n_max), and without a plan the request's n_max applies."""
+    sched = make_scheduler(n_planes=16)
+    model = FakeModel(4)
+    reqs = [Request(name, (i + 1,), max_tokens=20, n_max=6, rollback="snapshot")
+            for i, name in enumerate(("none", "short", "unplanned"))]
+    prompts = {r.seq_id: r.prompt for r in reqs}
+    for r in reqs:
+        sched.add(r)
+    plan = sched.schedule()
+    sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
+    assert sorted(sched.may_draft()) == ["none", "short", "unplanned"]
+    free = sched.memory.free_planes
+    plan = sched.schedule({"none": DraftPlan(0, 0.0), "short": DraftPlan(2, 0.7)})
+    rows = {name: plan.row(name) for name in ("none", "short", "unplanned")}
+    assert (rows["none"].draft_max, rows["none"].mode, len(rows["none"].write_pool)) == (0, None, 1)
+    assert (rows["short"].draft_max, rows["short"].mode, len(rows["short"].write_pool)) == (2, "snapshot", 3)
+    assert (rows["unplanned"].draft_max, rows["unplanned"].mode) == (6, "snapshot")
+    assert free - sched.memory.free_planes == (3 - 1) + (7 - 1)  # beyond each sequence's spare plane
+    sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
+    assert sched.memory.free_planes == free
 
 
 # ---- aborts ------------------------------------------------------------------------------------------------
