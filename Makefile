@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench peer clean
+.PHONY: serve test bench peer gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,23 @@ bench: $(STAMP)
 # libllama.so in the folder named by LLAMA_CPP_LIB_PATH (see README.md, Benchmarks).
 peer: $(STAMP)
 	$(BIN)/pip install -e '.[peer]'
+
+# On a GPU machine: the test suite with Pallas kernels compiled (not interpreted), then the kernel, step,
+# engine and speculation benchmarks, their JSON in bench/results/gpu/. GPU_PYTHON is a Python whose JAX has CUDA
+# (and the project's dependencies); the repository root is on its path.
+GPU_PYTHON ?= python3
+GPU_OUT := bench/results/gpu
+GPU_MODEL := bench/out/qwen35-0.8b-f32.gguf
+
+gpu-check:
+	mkdir -p $(GPU_OUT) bench/out
+	$(GPU_PYTHON) -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); print(jax.devices())"
+	$(GPU_PYTHON) -m pytest -q $(PYTEST_ARGS) --junitxml=$(GPU_OUT)/pytest.xml
+	$(GPU_PYTHON) -m bench.gdn_kernels $(GPU_OUT)/gdn-kernels.json --dtype bfloat16
+	test -f $(GPU_MODEL) || $(GPU_PYTHON) -m api.cli make-random --preset qwen35-0.8b $(GPU_MODEL)
+	$(GPU_PYTHON) -m bench.step --model $(GPU_MODEL) --batches 1,8,32 --verify-t 1,4,8 --out $(GPU_OUT)/step-0.8b.json
+	$(GPU_PYTHON) -m bench.engine --model $(GPU_MODEL) --concurrency 1,32 --out $(GPU_OUT)/engine-0.8b.json
+	$(GPU_PYTHON) -m bench.speculation --streams 1,32 --out $(GPU_OUT)/speculation.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

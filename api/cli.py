@@ -39,12 +39,12 @@ def _build_engine(args):
     from scheduler.engine import DEFAULT_ITERATIONS, Engine
 
     model_path, draft_path = _model_paths(args)
-    model = load_model(model_path)
+    model = load_model(model_path, weight_dtype=args.weight_dtype)
     tokenizer = load_tokenizer(model_path)
     draft = None
     if draft_path:
         check_same_vocab(model_path, draft_path)
-        draft = load_model(draft_path, load_mtp=False)
+        draft = load_model(draft_path, load_mtp=False, weight_dtype=args.weight_dtype)
     engine = Engine(
         model, tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
@@ -66,6 +66,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="most speculative iterations (or plain decoding steps) per device call (default: 8)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="the MTP head drafts among the token ids below this (default: all)")
+    p.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="matmul weights (default: bfloat16 on GPU, float32 on CPU)")
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:
@@ -108,9 +110,13 @@ def _serve(args) -> int:
         limits=Limits(max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len,
                       max_n_max=args.max_n_max, known_drafters=known, vocab_size=engine.model.cfg.n_vocab),
     )  # fmt: skip
-    start = time.perf_counter()
-    n_shapes = engine.warmup()
-    logging.getLogger("gdnspec").info("warm-up: %d step shapes ready in %.1f s", n_shapes, time.perf_counter() - start)
+    if args.warmup_first:
+        start = time.perf_counter()
+        n_shapes = engine.warmup()
+        logging.getLogger("gdnspec").info("warm-up: %d step shapes ready in %.1f s", n_shapes,
+                                          time.perf_counter() - start)  # fmt: skip
+    else:
+        engine.background_warmup = True
     server = Server(engine, tokenizer, settings)
 
     async def main():
@@ -254,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--default-drafters", default="ngram,mtp", help="for requests that name none ('none': plain)")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--warmup-first", action="store_true",
+                   help="compile every step shape before listening (default: listen at once and compile them while "
+                        "idle; a request arriving meanwhile compiles what it needs first)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("generate", help="generate over a server (--url) or in-process (--model)")

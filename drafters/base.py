@@ -7,7 +7,7 @@ A drafter proposes up to `n_max` tokens that continue a sequence; the target mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence, runtime_checkable
+from typing import Hashable, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -79,9 +79,10 @@ class Drafter(Protocol):
         """Forget a finished or aborted sequence."""
         ...
 
-    def warmup(self) -> int:
-        """Compile whatever the drafter runs on a device; returns how many shapes compiled."""
-        return 0
+    def warmup(self) -> Iterator[object]:
+        """Compile whatever the drafter runs on a device, one shape per item of the returned iterator (nothing
+        compiles until it is consumed, so the engine can serve between two shapes)."""
+        return iter(())
 
     def device_chain(self, seq_id: SeqId, n_next: int) -> int:
         """How many drafts the target's step should chain on device with the MTP head for this sequence's next

@@ -9,7 +9,7 @@ next proposal, in the same call that yields draft 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 from jaxmodel.gguf_io import open_gguf
@@ -68,8 +68,8 @@ class DraftModelDrafter(Drafter):
         ]
         self.slots: dict[SeqId, _Slot] = {}
 
-    def warmup(self) -> int:
-        """Compile the draft model's chain and catch-up shapes; returns how many."""
+    def warmup(self) -> Iterator[tuple[int, int]]:
+        """Compile the draft model's chain and catch-up shapes, one per item."""
         return self.runtime.warmup_chain()
 
     def _spare(self, slot: _Slot) -> list[int]:

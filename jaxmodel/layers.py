@@ -12,8 +12,11 @@ from .weights import Attention, DenseFfn, MoeFfn
 
 def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
     """ggml's CPU kernels round the activation to f16 before a matmul with f16 weights; so do we, which is
-    what F16 parity with llama.cpp needs. Weights loaded as float32 (the default on CPU) take x unchanged."""
-    return x.astype(jnp.float16).astype(jnp.float32) if w.dtype == jnp.float16 else x
+    what F16 parity with llama.cpp needs. bf16 weights (the accelerator default, `jaxmodel.precision`) take a bf16
+    activation, the product accumulating in float32. Weights loaded as float32 (the CPU default) take x unchanged."""
+    if w.dtype == jnp.float16:
+        return x.astype(jnp.float16).astype(jnp.float32)
+    return x.astype(jnp.bfloat16) if w.dtype == jnp.bfloat16 else x
 
 
 def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:

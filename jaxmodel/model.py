@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .gdn import gdn_mixer
 from .gguf_io import read_gguf, to_device
 from .layers import ffn, linear, paged_attention, rms_norm
+from .precision import cast_matmul_weights, default_weight_dtype
 from .state import ModelState, Row, StepBatch, StepOutput, bucket, init_state, pack_batch, scatter_planes
 from .weights import Layer, Mtp, Weights
 
@@ -161,11 +162,14 @@ class Model:
         return np.asarray(out.logits[0, :T]), np.asarray(out.hidden[0, :T])
 
 
-def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False) -> Model:
+def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False,
+               weight_dtype: str | None = None) -> Model:
     """Load a qwen35 / qwen35moe GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, dequantised to float32).
 
     keep_f16: keep F16 tensors in f16; their matmuls then round activations to f16 as llama.cpp does on CPU
-    (exact F16 parity; slower on CPU, see DESIGN.md).
+    (exact F16 parity; slower on CPU, see DESIGN.md). weight_dtype: "float32" or "bfloat16" for the matmul
+    weights (`jaxmodel.precision`); None: the default backend's choice (bfloat16 on GPU, float32 on CPU).
     """
     cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16)
+    weights = cast_matmul_weights(weights, weight_dtype or default_weight_dtype())
     return Model(cfg, weights, path=str(path))

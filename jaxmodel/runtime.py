@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import jax
@@ -274,12 +274,12 @@ class Runtime:
         drafts, n_drafted = jax.device_get((drafts, n_drafted))
         return [drafts[b, : n_drafted[b]].tolist() for b in range(len(rows))]
 
-    def warmup(self) -> int:
-        """Compile every step shape of `self.shapes` with all-padding batches (which read the null plane and write
-        nothing); returns how many shapes compiled."""
+    def warmup(self) -> Iterator[tuple[int, int]]:
+        """Compile every step shape of `self.shapes`, one per iteration of the returned generator (which yields
+        its (B, T)), with all-padding batches: they read the null plane and write nothing. Nothing is compiled
+        until the generator runs; between two shapes the runtime may run real steps."""
         if self.shapes is None:
-            return 0
-        n = 0
+            return
         for B, T, R, final_only in self.shapes.grid():
             batch = pack_batch([], B=B, T=T, P=self.shapes.pages_per_row, R=R)
             verify_in, chain = self._step_inputs([], B, R)
@@ -290,9 +290,8 @@ class Runtime:
                 final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
                 draft_vocab=self.draft_vocab,
             )  # fmt: skip
-            n += 1
-        jax.block_until_ready(out.tokens)
-        return n
+            jax.block_until_ready(out.tokens)
+            yield B, T
 
     def calibrate(self, repeats: int = 5) -> Calibration:
         """Time warm steps of every batch bucket B on rows that feed the trash page from the null plane and write
@@ -330,11 +329,10 @@ class Runtime:
         B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
         return self.chain_seconds.get(B, 0.0)
 
-    def warmup_chain(self) -> int:
-        """Compile a draft model's chain and catch-up shapes; returns how many compiled."""
+    def warmup_chain(self) -> Iterator[tuple[int, int]]:
+        """Compile a draft model's chain and catch-up shapes, one (B, T) per iteration, as `warmup` does."""
         if self.shapes is None:
-            return 0
-        n = 0
+            return
         Bs = sorted({self.shapes.batch(k) for k in range(1, self.shapes.max_rows + 1)})
         Ts = sorted({self.shapes.tokens(k) for k in range(1, self.shapes.max_tokens + 1)})
         for B, T in itertools.product(Bs, Ts):
@@ -343,9 +341,9 @@ class Runtime:
             drafts, _, self.state = self._chain(self.model.weights, batch=batch, state=self.state,
                                                 chain_planes=np.full((B, self.n_chain_max), -1, np.int32),
                                                 n_chain=zeros, p_min=zeros.astype(np.float32), n_max=self.n_chain_max)
-            n += 1
+            jax.block_until_ready(drafts)
+            yield B, T
             if self.shapes.is_long(T):
                 out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=True)
-                n += 1
-        jax.block_until_ready(drafts)
-        return n
+                jax.block_until_ready(out.logits)
+                yield B, T

@@ -10,9 +10,10 @@ so the event loop stays responsive.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
 from .core import Scheduler
 from .memory import MemoryManager, pages_for, pool_sizes
 from .types import Committed, Continued, DoneEvent, DraftPlan, Event, Request, Row, SeqId, StepPlan, TokensEvent
+
+
+log = logging.getLogger("gdnspec")
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class Engine:
         iterations: int = DEFAULT_ITERATIONS,
         stop_token_ids: Sequence[int] | None = None,
         draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
+        background_warmup: bool = False,
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
@@ -101,7 +106,9 @@ class Engine:
         iterations (or plain decoding steps) one device call runs while the host has nothing to decide between
         them (no request waiting or arriving, no stop string to check, drafts only from the MTP head).
         stop_token_ids: end-of-generation ids (default: the tokenizer's). draft_vocab: the MTP head drafts among
-        the token ids below it (None: the whole vocabulary; see `jaxmodel.speculative.iteration`)."""
+        the token ids below it (None: the whole vocabulary; see `jaxmodel.speculative.iteration`).
+        background_warmup: while running and idle, compile the shapes `warmup` would, one at a time, then calibrate
+        (a server then listens at once; requests arriving meanwhile compile what they need first)."""
         cfg = model.cfg
         plane_bytes = bytes_per_plane(cfg)
         # Planes for every sequence to snapshot a full draft, but never more than half the budget.
@@ -141,6 +148,7 @@ class Engine:
                                      n_max=n_max, page_size=page_size)  # fmt: skip
         self.drafters: dict[str, Drafter] = {d.name: d for d in [*drafters, *extra_drafters]}
         self.n_max = n_max
+        self.background_warmup = background_warmup
         self.adaptive = adaptive
         self.iterations = iterations
         self._ids = itertools.count()
@@ -296,11 +304,19 @@ class Engine:
         return plan.with_drafts(drafts, names)
 
     def warmup(self) -> int:
-        """Compile every step shape this engine can run before serving, then time a few of them for the drafter
-        policy's costs (`Runtime.calibrate`); returns how many shapes compiled."""
-        n = self.runtime.warmup() + sum(drafter.warmup() for drafter in self.drafters.values())
-        self.policy.calibrate(self.runtime.calibrate().step_seconds)
+        """Compile every step shape this engine can run, then time a few of them for the drafter policy's costs
+        (`Runtime.calibrate`); returns how many shapes compiled. `background_warmup` does the same while serving."""
+        n = sum(1 for _ in self._shapes_to_compile())
+        self._calibrate()
         return n
+
+    def _shapes_to_compile(self) -> Iterator[object]:
+        yield from self.runtime.warmup()
+        for drafter in self.drafters.values():
+            yield from drafter.warmup()
+
+    def _calibrate(self) -> None:
+        self.policy.calibrate(self.runtime.calibrate().step_seconds)
 
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():
@@ -311,6 +327,9 @@ class Engine:
 
     @asynccontextmanager
     async def running(self):
+        self.warmed = anyio.Event()  # set once a background warm-up has finished (at once without one)
+        if not self.background_warmup:
+            self.warmed.set()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._loop)
             try:
@@ -326,8 +345,21 @@ class Engine:
         await self._context.__aexit__(*exc)
 
     async def _loop(self) -> None:
+        uncompiled = self._shapes_to_compile() if self.background_warmup else None
+        start, n_compiled = time.perf_counter(), 0
         while True:
-            if not self.scheduler.has_work:
+            if not self.scheduler.has_work and uncompiled is not None:
+                # Idle: compile the next shape. A request arriving meanwhile waits for this one shape only; the
+                # shapes its own steps need compile on first use.
+                if await anyio.to_thread.run_sync(next, uncompiled, None, abandon_on_cancel=True) is not None:
+                    n_compiled += 1
+                else:
+                    uncompiled = None
+                    await anyio.to_thread.run_sync(self._calibrate)
+                    log.info("warm-up: %d step shapes compiled in the background in %.1f s", n_compiled,
+                             time.perf_counter() - start)
+                    self.warmed.set()
+            elif not self.scheduler.has_work:
                 self._apply(await self._inbox.receive())  # sleep until a request arrives
             while True:
                 try:

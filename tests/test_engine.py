@@ -215,3 +215,23 @@ def test_end_of_generation_id_ends_a_sequence_inside_a_device_loop(target, promp
     tokens, done, _ = anyio.run(main)
     assert tokens == expected
     assert done.finish_reason == "stop" and done.completion_tokens == len(expected) + 1
+
+
+def test_requests_are_served_while_shapes_compile_in_the_background(target, prompts, references):
+    """With background warm-up the engine serves at once: a request arriving before any shape has compiled gets
+    plain greedy's tokens (its steps compile what they need), and the warm-up then finishes with the policy's
+    calibration."""
+
+    async def main():
+        engine = Engine(target, budget_bytes=700_000, max_running=1, max_model_len=64, chunk_size=4, n_max=1,
+                        iterations=1, background_warmup=True)  # fmt: skip
+        async with engine:
+            assert not engine.warmed.is_set()
+            tokens, done, _ = await collect(engine, GenerationRequest(prompts[0], MAX_TOKENS))
+            with anyio.fail_after(300):
+                await engine.warmed.wait()
+        return tokens, engine
+
+    tokens, engine = anyio.run(main)
+    assert tokens == references[prompts[0]]
+    assert set(engine.runtime.chain_seconds) == {1}  # calibrated: one batch bucket, the MTP head chains
