@@ -339,10 +339,11 @@ class DrafterPolicy:
         self.costs = replace(self.costs, target=target)
 
     def calibrate(self, steps: Mapping[tuple[int, int], float]) -> None:
-        """Start from warm steps timed before serving, {(rows, tokens per row): seconds}: each is recorded as a
-        measurement, and the one-row steps set `target_token_prior`, the ratio of a verified token's cost to a
-        step's fixed cost that decides the split while later measurements all share one n (as they do when every
-        sequence keeps drafting the same length)."""
+        """Start from warm steps timed before serving, {(rows, tokens per row): seconds}. The one-row steps are
+        recorded as measurements and set `target_token_prior`, the ratio of a verified token's cost to a step's
+        fixed cost that decides the split while later measurements all share one n (as they do when every
+        sequence keeps drafting the same length). Steps of several rows are left to live measurements: one cost
+        line over the batch's total tokens fits them poorly beside single rows."""
         one_row = sorted((T, seconds) for (B, T), seconds in steps.items() if B == 1)
         if len(one_row) >= 2:
             (t0, s0), (t1, s1) = one_row[0], one_row[-1]
@@ -350,8 +351,8 @@ class DrafterPolicy:
             fixed = s0 - per_token * t0
             if fixed > 0.0:
                 self.params = replace(self.params, target_token_prior=per_token / fixed)
-        for (B, T), seconds in sorted(steps.items()):
-            self.record_target(seconds, B * T)
+        for T, seconds in one_row:
+            self.record_target(seconds, T)
 
     def record_proposal(self, drafter: str, seconds: float, n_tokens: int) -> None:
         """`drafter` proposed `n_tokens` tokens for one sequence; `seconds` is that sequence's share of the call."""
