@@ -242,8 +242,8 @@ def test_schema_entry_point_prints_the_schema():
                          text=True, check=True).stdout
     assert out == schema_json()
     doc = json.loads(out)
-    assert set(doc["$defs"]["ClientMessage"]["discriminator"]["mapping"]) == {"generate", "cancel"}
-    assert set(doc["$defs"]["ServerMessage"]["discriminator"]["mapping"]) == {"tokens", "done", "error"}
+    assert set(doc["$defs"]["ClientMessage"]["discriminator"]["mapping"]) == {"generate", "cancel", "stats"}
+    assert set(doc["$defs"]["ServerMessage"]["discriminator"]["mapping"]) == {"tokens", "done", "error", "stats"}
     assert set(doc["$defs"]["Error"]["properties"]["code"]["enum"]) == set(ERROR_CODES)
 
 
