@@ -96,11 +96,13 @@ class _Outbound:
     send: anyio.abc.ObjectSendStream
     connection: Connection
 
-    def put(self, message: Tokens | Done | Error) -> None:
+    def put(self, message: Tokens | Done | Error | Stats) -> None:
         try:
             self.send.send_nowait(self.connection.encode(message))
         except anyio.WouldBlock:
             raise SlowClient from None
+        except anyio.ClosedResourceError:
+            pass  # the connection is closing (shutdown): nothing more goes out
 
 
 @dataclass(eq=False)
@@ -311,6 +313,7 @@ class Server:
         try:
             with client.requests[request.id]:
                 prepared = await anyio.to_thread.run_sync(self._prepare, request, limiter=self._prepare_limiter)
+                await anyio.lowlevel.checkpoint()  # cancelled while tokenizing: it ends cancelled, whatever came
                 if isinstance(prepared, Error):
                     return prepared
                 async for event in self.engine.generate(prepared, timing):
@@ -328,7 +331,7 @@ class Server:
         return self._done_frame(request.id, prepared, done, completion, timing)
 
     @staticmethod
-    def _done_frame(request_id: str, prepared: GenerationRequest | None, done: DoneEvent | None, completion: int,
+    def _done_frame(request_id: str, prepared: GenerationRequest | Error | None, done: DoneEvent | None, completion: int,
                     timing: RequestTiming) -> Done:
         now = time.perf_counter()
         first = timing.first_token
@@ -338,7 +341,7 @@ class Server:
             ttft_ms=(first - timing.arrived) * 1e3 if first is not None else None,
             tokens_per_s=tokens_per_s,
         )
-        n_prompt = len(prepared.prompt_ids) if prepared is not None else 0
+        n_prompt = len(prepared.prompt_ids) if isinstance(prepared, GenerationRequest) else 0
         if done is None:  # cancelled by the client, its disconnection or the server's shutdown
             return Done(request_id, "cancelled", Usage(n_prompt, completion), SpecStats(), timings)
         if done.finish_reason == "error":

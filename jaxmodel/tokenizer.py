@@ -251,7 +251,9 @@ class TextTokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text become their ids. BOS as the GGUF says (Qwen: no)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long prompt tokenized in a worker
+        # thread leaves the event loop running
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         add_bos = self.vocab.add_bos if add_bos is None else add_bos
         return [self.vocab.bos_id, *ids] if add_bos and self.vocab.bos_id is not None else ids
 
