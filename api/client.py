@@ -180,6 +180,11 @@ class Client:
         assert stack is not None
         return await stack.__aexit__(*exc_info)
 
+    async def close(self) -> None:
+        """Close the connection now; requests still pending end with ConnectionLost (the server cancels them)."""
+        if self._ws is not None:
+            await self._ws.close()
+
     @property
     def pending(self) -> frozenset[str]:
         """Ids of requests sent and not yet finished."""

@@ -368,3 +368,33 @@ def test_shutdown_ends_running_and_arriving_requests_within_the_deadline(model, 
     assert closed.rcvd.code == 1001
     assert took < 8
     assert pools_back(engine)
+
+
+# ---- (8) the soak, in small ---------------------------------------------------------------------------------------
+
+
+def test_chaotic_loadtest_leaves_the_pools_as_they_were(model, tokenizer):
+    """Mixed drafters, random cancels and dropped connections against a small budget: every request ends, and
+    the server's own stats show every page and plane free afterwards."""
+    from api.loadtest import Chaos, Prompt, run_loadtest
+
+    engine = make_engine(model, tokenizer)
+    prompts = [Prompt(text="def f(x):"), Prompt(text="import re\n"), Prompt(text="a = [1, 2, 3]")]
+    chaos = Chaos(cancel=0.25, disconnect=0.25, policies=(None, Speculative(drafters=["mtp"]),
+                                                          Speculative(drafters=["ngram", "mtp"])), seed=3)
+
+    async def main():
+        async with serving(engine, tokenizer) as (url, _, _):
+            return await run_loadtest(url, concurrency=4, prompts=prompts, requests=24, max_tokens=12,
+                                      chaos=chaos, stats_every=0.5)  # fmt: skip
+
+    result = anyio.run(main)
+    assert len(result.records) == 24
+    kinds = {r.error_kind for r in result.records}
+    assert kinds <= {None, "finish_cancelled", "disconnected"} and "disconnected" in kinds
+    assert any(r.ok for r in result.records)
+    final = result.stats[-1].stats
+    assert (final.pages_free, final.planes_free) == (final.pages_total, final.planes_total)
+    assert final.requests_in_flight == final.requests_running == final.requests_waiting == 0
+    assert final.connections == 1 and len(result.stats) >= 2 and final.rss_bytes > 0
+    assert pools_back(engine)
