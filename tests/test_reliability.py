@@ -20,7 +20,7 @@ from websockets.asyncio.client import connect
 
 from api.client import Client, RequestError
 from api.protocol import MAX_SEED, Defaults, Limits, ServerSettings, Speculative
-from api.server import Access, Server, listening, loggable
+from api.server import Access, Server, is_loopback, listening, loggable
 from drafters.base import Drafter
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
@@ -319,12 +319,14 @@ def test_limits_access_and_origins(model, tokenizer):
     assert loggable("a\nb\x1b[31m\u202e") == "'a\\nb\\x1b[31m\\u202e'"
 
 
-def test_api_key_from_the_environment(monkeypatch):
+def test_api_key_from_the_environment_and_what_counts_as_loopback(monkeypatch):
     monkeypatch.setenv("GDNSPEC_API_KEY", "from-env")
     assert Access.from_env().api_key == "from-env"
     assert Access.from_env("flag").api_key == "flag"
     monkeypatch.setenv("GDNSPEC_API_KEY", "")
     assert Access.from_env().api_key is None
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.4", "example.com"]))
 
 
 # ---- (7) shutdown -----------------------------------------------------------------------------------------------
