@@ -428,9 +428,9 @@ class LoadTestResult:
 
 async def _one_request(
     client: Client, index: int, worker: int, prompt_index: int, prompt: Prompt, options: Mapping[str, Any],
-    now: Callable[[], float], fate: tuple[str, int] | None = None,
+    now: Callable[[], float], fate: tuple[str, int] | None = None, start: float | None = None,
 ) -> RequestRecord:
-    start = now()
+    start = now() if start is None else start
     chunks: list[Chunk] = []
     done: Done | None = None
     error: str | None = None
@@ -513,12 +513,16 @@ async def run_loadtest(
     def now() -> float:
         return time.perf_counter() - t0
 
+    taken_at: dict[int, float] = {}  # a request starts when it is taken, the instant checked against duration
+
     def take() -> int | None:
         nonlocal next_index
+        t = now()
         if requests is not None and next_index >= requests:
             return None
-        if duration is not None and now() >= duration:
+        if duration is not None and t >= duration:
             return None
+        taken_at[next_index] = t
         next_index += 1
         return next_index - 1
 
@@ -532,7 +536,7 @@ async def run_loadtest(
             if chaos.policies:
                 per_request["speculative"] = rng.choice(chaos.policies)
         record = await _one_request(client, i, w, i % len(prompts), prompts[i % len(prompts)], per_request, now,
-                                    fate)  # fmt: skip
+                                    fate, taken_at.pop(i))  # fmt: skip
         records.append(record)
         if progress is not None:
             progress(record, len(records))

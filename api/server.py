@@ -316,13 +316,15 @@ class Server:
                 await anyio.lowlevel.checkpoint()  # cancelled while tokenizing: it ends cancelled, whatever came
                 if isinstance(prepared, Error):
                     return prepared
-                async for event in self.engine.generate(prepared, timing):
-                    if isinstance(event, TokensEvent):
-                        completion += len(event.token_ids)
-                        client.outbound.put(Tokens(request.id, list(event.token_ids), event.text,
-                                                   event.n_from_drafts))  # fmt: skip
-                    else:
-                        done = event
+                # aclosing: a request left by an exception (a slow client) is aborted in the engine at once
+                async with contextlib.aclosing(self.engine.generate(prepared, timing)) as events:
+                    async for event in events:
+                        if isinstance(event, TokensEvent):
+                            completion += len(event.token_ids)
+                            client.outbound.put(Tokens(request.id, list(event.token_ids), event.text,
+                                                       event.n_from_drafts))  # fmt: skip
+                        else:
+                            done = event
         except SlowClient:
             raise
         except Exception as exc:  # the request fails, the connection and its other requests go on
