@@ -132,14 +132,20 @@ def _serve(args) -> int:
         async with engine, anyio.create_task_group() as tg:
             async def on_signal():
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
+                    async for signum in signals:
+                        log.info("%s: stopping", signal.Signals(signum).name)
+                        stopping.append(time.perf_counter())
                         shutdown.set()
                         return
 
             tg.start_soon(on_signal)
             await run_server(server, args.host, args.port, shutdown=shutdown, compression=args.compression)
             tg.cancel_scope.cancel()
+        if stopping:
+            log.info("stopped in %.2f s", time.perf_counter() - stopping[0])
 
+    log = logging.getLogger("gdnspec")
+    stopping: list[float] = []
     anyio.run(main)
     return 0
 
