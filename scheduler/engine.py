@@ -34,6 +34,7 @@ from .types import Committed, Continued, DoneEvent, Event, Request, Row, StepPla
 
 log = logging.getLogger("gdnspec.engine")
 
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """What a client asks for, in token ids. speculative None: plain decoding."""
