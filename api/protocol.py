@@ -9,7 +9,8 @@ frame or request; with an id it is the last frame of that request, except ``unkn
 
 The server plugs in through :class:`Connection`, a Sans-I/O object holding one typed decoder and the ids in
 flight: ``connection.receive(frame)`` returns a resolved :class:`GenerateRequest`, a :class:`Cancel`, a
-:class:`StatsRequest`, or an :class:`Error` to send back. ``python -m api.protocol --schema`` prints the JSON Schema (docs/protocol.schema.json).
+:class:`StatsRequest`, or an :class:`Error` to send back. ``python -m api.protocol --schema`` prints the JSON
+Schema (docs/protocol.schema.json).
 """
 
 from __future__ import annotations

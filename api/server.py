@@ -333,8 +333,8 @@ class Server:
         return self._done_frame(request.id, prepared, done, completion, timing)
 
     @staticmethod
-    def _done_frame(request_id: str, prepared: GenerationRequest | Error | None, done: DoneEvent | None, completion: int,
-                    timing: RequestTiming) -> Done:
+    def _done_frame(request_id: str, prepared: GenerationRequest | Error | None, done: DoneEvent | None,
+                    completion: int, timing: RequestTiming) -> Done:
         now = time.perf_counter()
         first = timing.first_token
         tokens_per_s = completion / (now - first) if first is not None and now > first and completion else 0.0

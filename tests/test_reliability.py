@@ -365,7 +365,7 @@ def test_shutdown_ends_running_and_arriving_requests_within_the_deadline(model, 
 
     frames, closed, took = anyio.run(main)
     done = {f["id"]: f for f in frames if f["type"] == "done"}
-    assert set(done) == {"r0", "r1", "long", "late"}, [(f["id"], f.get("code")) for f in frames if f["type"] != "tokens"]
+    assert set(done) == {"r0", "r1", "long", "late"}
     assert all(f["finish_reason"] == "cancelled" for f in done.values())
     assert closed.rcvd.code == 1001
     assert took < 8
