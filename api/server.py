@@ -289,7 +289,13 @@ class Server:
         outbound = client.outbound
         try:
             frame = await self._generate(request, client, timing)
-            outbound.put(frame)
+            try:
+                outbound.put(frame)
+            except (TypeError, ValueError):  # a frame that cannot be encoded fails its request, not the connection
+                log.exception("request %s: its final frame could not be encoded", loggable(request.id))
+                frame = Done(request.id, "error", frame.usage, SpecStats(), frame.timings,
+                             Failure("internal", "the server could not encode this request's final frame"))
+                outbound.put(frame)
         finally:
             self.n_requests -= 1
             client.requests.pop(request.id, None)

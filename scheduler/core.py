@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 
 from .memory import DraftCandidate, MemoryManager, pages_for
 from .stops import scan_stop_strings
-from .types import (Committed, Continued, Detokenizer, DoneEvent, DraftStats, Event, FinishReason, Mode, Request,
-                    Row, SeqId, StepPlan, TokensEvent)
+from .types import (UNNAMED_DRAFTER, Committed, Continued, Detokenizer, DoneEvent, DraftStats, Event, FinishReason,
+                    Mode, Request, Row, SeqId, StepPlan, TokensEvent)
 
 PLANES_PER_SEQUENCE = 2
 ACCEPTANCE_DECAY = 0.8  # weight of the past in a sequence's acceptance estimate
@@ -292,7 +292,7 @@ class Scheduler:
             step = replace(row, fed=fed, start=len(seq.tokens) - 1, read_plane=seq.live_plane,
                            draft_max=n_drafts, mode="snapshot" if len(row.write_pool) > 1 else row.mode,
                            write_pool=pool, drafts=tuple(iteration.drafts),
-                           drafter=row.drafter if n_drafts else None)  # fmt: skip
+                           drafter=(row.drafter or UNNAMED_DRAFTER) if n_drafts else None)  # fmt: skip
             self._roll(seq, step, iteration.committed.n_accepted, trim=False)
             events += self._commit(seq, iteration.committed, step)
         if seq.request.seq_id in self._seqs:
