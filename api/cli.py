@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -23,8 +24,6 @@ def _model_paths(args) -> tuple[str, str | None]:
 
 def _use_compile_cache() -> None:
     """Keep compiled steps on disk so that a restarted server skips most of its warm-up."""
-    import os
-
     import jax
 
     path = os.environ.get("GDNSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "gdnspec", "jax"))
@@ -78,6 +77,17 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollback", choices=["auto", "snapshot", "checkpoint"])
 
 
+def _policy(text: str):
+    """One speculative policy of --policies: 'none' (plain), 'default' (the server's), or drafters joined by ','."""
+    from api.protocol import UNSET, Speculative
+
+    if text == "none":
+        return None
+    if text == "default":
+        return UNSET
+    return Speculative(drafters=text.split(","))
+
+
 def _speculative(args):
     from api.protocol import UNSET, Speculative
 
@@ -94,7 +104,7 @@ def _serve(args) -> int:
     import anyio
 
     from api.protocol import Defaults, Limits, ServerSettings
-    from api.server import Server, run_server
+    from api.server import Access, Server, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     _use_compile_cache()
@@ -107,9 +117,13 @@ def _serve(args) -> int:
     settings = ServerSettings(
         defaults=Defaults(drafters=drafters, max_tokens=min(args.default_max_tokens, args.max_model_len),
                           n_max=min(4, args.max_n_max)),
-        limits=Limits(max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len,
-                      max_n_max=args.max_n_max, known_drafters=known, vocab_size=engine.model.cfg.n_vocab),
+        limits=Limits(max_prompt_tokens=args.max_model_len - 1, max_prompt_chars=args.max_prompt_chars,
+                      max_max_tokens=args.max_model_len, max_message_bytes=args.max_message_bytes,
+                      max_in_flight=args.max_in_flight, max_connections=args.max_connections,
+                      max_queued=args.max_queued, max_n_max=args.max_n_max, known_drafters=known,
+                      vocab_size=engine.model.cfg.n_vocab),
     )  # fmt: skip
+    access = Access.from_env(args.api_key, args.allow_origin)
     if args.warmup_first:
         start = time.perf_counter()
         n_shapes = engine.warmup()
@@ -117,21 +131,27 @@ def _serve(args) -> int:
                                           time.perf_counter() - start)  # fmt: skip
     else:
         engine.background_warmup = True
-    server = Server(engine, tokenizer, settings)
+    server = Server(engine, tokenizer, settings, access, shutdown_grace_s=args.shutdown_grace)
 
     async def main():
         shutdown = anyio.Event()
         async with engine, anyio.create_task_group() as tg:
             async def on_signal():
                 with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async for _ in signals:
+                    async for signum in signals:
+                        log.info("%s: stopping", signal.Signals(signum).name)
+                        stopping.append(time.perf_counter())
                         shutdown.set()
                         return
 
             tg.start_soon(on_signal)
-            await run_server(server, args.host, args.port, shutdown=shutdown)
+            await run_server(server, args.host, args.port, shutdown=shutdown, compression=args.compression)
             tg.cancel_scope.cancel()
+        if stopping:
+            log.info("stopped in %.2f s", time.perf_counter() - stopping[0])
 
+    log = logging.getLogger("gdnspec")
+    stopping: list[float] = []
     anyio.run(main)
     return 0
 
@@ -188,7 +208,9 @@ def _generate(args) -> int:
 def _loadtest(args) -> int:
     import anyio
 
-    from api.loadtest import PROMPT_SETS, format_table, load_prompts, plot_throughput, run_loadtest
+    import msgspec
+
+    from api.loadtest import PROMPT_SETS, Chaos, format_table, load_prompts, plot_throughput, run_loadtest
 
     prompts = PROMPT_SETS[args.prompts] if args.prompts in PROMPT_SETS else load_prompts(args.prompts)
     if (args.requests is None) == (args.duration is None):
@@ -199,16 +221,31 @@ def _loadtest(args) -> int:
         total = args.requests or "?"
         print(f"\r{finished}/{total} requests finished", end="", file=sys.stderr, flush=True)
 
+    chaos = None
+    if args.cancel_rate or args.disconnect_rate or args.policies:
+        policies = tuple(_policy(p) for p in args.policies.split(";")) if args.policies else ()
+        chaos = Chaos(cancel=args.cancel_rate, disconnect=args.disconnect_rate, policies=policies,
+                      seed=args.seed or 0)  # fmt: skip
+    api_key = args.api_key or os.environ.get("GDNSPEC_API_KEY")
+    connect_options = {"additional_headers": {"Authorization": f"Bearer {api_key}"}} if api_key else {}
     result = anyio.run(lambda: run_loadtest(
         args.url, concurrency=args.concurrency, prompts=prompts, requests=args.requests, duration=args.duration,
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, speculative=_speculative(args),
-        progress=progress))  # fmt: skip
+        progress=progress, chaos=chaos, stats_every=args.stats_every,
+        connect_options=connect_options))  # fmt: skip
     print(file=sys.stderr)
     summary = result.summary()
     print(format_table(summary))
+    for sample in result.stats:
+        st = sample.stats
+        print(f"t={sample.t:7.1f}s rss {st.rss_bytes / 2**20:7.1f} MiB  pages {st.pages_free}/{st.pages_total}  "
+              f"planes {st.planes_free}/{st.planes_total}  running {st.requests_running} waiting "
+              f"{st.requests_waiting} in flight {st.requests_in_flight} connections {st.connections}")
     if args.json:
+        report = summary.to_json(vars(args) | {"command": "loadtest"})
+        report["stats"] = [{"t": s.t, **msgspec.to_builtins(s.stats)} for s in result.stats]
         with open(args.json, "w") as f:
-            json.dump(summary.to_json(vars(args) | {"command": "loadtest"}), f, indent=2, default=str)
+            json.dump(report, f, indent=2, default=str)
     if args.plot:
         plot_throughput(result.records, args.plot)
     return 0
@@ -263,6 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-first", action="store_true",
                    help="compile every step shape before listening (default: listen at once and compile them while "
                         "idle; a request arriving meanwhile compiles what it needs first)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' at the handshake (default: the "
+                                     "GDNSPEC_API_KEY environment variable; none when both are empty)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="a browser origin let in (https://app.example); repeatable. Handshakes with any other "
+                        "Origin header are refused; clients that send none (not browsers) are let in")
+    p.add_argument("--max-connections", type=int, default=256, help="open websocket connections (more: HTTP 503)")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests waiting beyond the --max-seqs running ones, all connections (more: overloaded)")
+    p.add_argument("--max-in-flight", type=int, default=64, help="requests in flight per connection")
+    p.add_argument("--max-message-bytes", type=int, default=2 * 1024 * 1024, help="largest client frame")
+    p.add_argument("--max-prompt-chars", type=int, default=256 * 1024,
+                   help="longest prompt text (or chat content) in characters, checked before tokenizing")
+    p.add_argument("--compression", action="store_true", help="offer permessage-deflate (off by default)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds in-flight requests get to send their done frames on SIGINT/SIGTERM")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("generate", help="generate over a server (--url) or in-process (--model)")
@@ -289,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     _policy_options(p)
     p.add_argument("--json", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG of throughput over time here")
+    p.add_argument("--cancel-rate", type=float, default=0.0, help="share of requests cancelled mid-stream")
+    p.add_argument("--disconnect-rate", type=float, default=0.0,
+                   help="share of requests whose connection is dropped mid-stream (the worker reconnects)")
+    p.add_argument("--policies", help="speculative policies drawn at random per request, ';'-separated: "
+                                      "'none', 'default', or drafters joined by ',' (e.g. 'none;mtp;ngram,mtp')")
+    p.add_argument("--stats-every", type=float, help="sample the server's stats (memory, pages, planes) this often")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: GDNSPEC_API_KEY)")
     p.set_defaults(func=_loadtest)
 
     p = sub.add_parser("make-random", help="write a random-weight qwen35 GGUF with real layer shapes")

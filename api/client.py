@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from api.protocol import (
-    Cancel, ChatMessage, Done, Error, FinishReason, Generate, ServerMessage, SpecStats, Speculative, Timings,
-    Tokens, Usage,
+    Cancel, ChatMessage, Done, Error, Failure, FinishReason, Generate, ServerMessage, SpecStats, Speculative, Stats,
+    StatsRequest, Timings, Tokens, Usage,
 )
 
 __all__ = ["Client", "GenerationStream", "Completion", "ClientError", "RequestError", "ConnectionLost",
@@ -72,6 +73,7 @@ class Completion:
     usage: Usage
     spec: SpecStats
     timings: Timings
+    error: Failure | None = None
 
 
 Item = Tokens | Done | Error
@@ -131,7 +133,7 @@ class GenerationStream:
         return Completion(
             id=self.id, token_ids=tuple(self._token_ids), text="".join(self._text),
             n_from_drafts=self._n_from_drafts, finish_reason=d.finish_reason, usage=d.usage, spec=d.spec,
-            timings=d.timings,
+            timings=d.timings, error=d.error,
         )
 
     async def cancel(self) -> None:
@@ -162,6 +164,7 @@ class Client:
         self._stack: AsyncExitStack | None = None
         self._ended: str | None = None
         self._violation = False
+        self._stats_waiting: deque[MemoryObjectSendStream[Stats]] = deque()
 
     async def __aenter__(self) -> Client:
         async with AsyncExitStack() as stack:
@@ -176,6 +179,11 @@ class Client:
         stack, self._stack = self._stack, None
         assert stack is not None
         return await stack.__aexit__(*exc_info)
+
+    async def close(self) -> None:
+        """Close the connection now; requests still pending end with ConnectionLost (the server cancels them)."""
+        if self._ws is not None:
+            await self._ws.close()
 
     @property
     def pending(self) -> frozenset[str]:
@@ -239,6 +247,21 @@ class Client:
             return False
         return True
 
+    async def stats(self) -> Stats:
+        """The server's counts (connections, requests, free pages and planes, resident memory)."""
+        if self._ws is None:
+            raise ClientError("the client is not connected; use `async with Client(url) as c`")
+        if self._ended is not None:
+            raise ConnectionLost(f"stats: {self._ended}")
+        send, receive = anyio.create_memory_object_stream[Stats](1)
+        self._stats_waiting.append(send)
+        with receive:
+            try:
+                await self._ws.send(self._encoder.encode(StatsRequest()), text=True)
+                return await receive.receive()
+            except (ConnectionClosed, anyio.EndOfStream):
+                raise ConnectionLost(f"stats: {self._ended or 'connection closed'}") from None
+
     def _lost(self, request_id: str) -> ConnectionLost:
         kind = ProtocolViolation if self._violation else ConnectionLost
         return kind(f"request {request_id!r}: {self._ended or 'connection closed'}")
@@ -275,14 +298,19 @@ class Client:
                     violation = f"server sent an invalid frame ({exc})"
                     await ws.close(1002, "invalid frame")
                     break
-                if isinstance(msg, Tokens):
-                    self._deliver(msg.id, msg, final=False)
-                elif isinstance(msg, Done):
-                    self._deliver(msg.id, msg, final=True)
-                elif msg.id is None or msg.code == "unknown_id":
-                    self._notice(msg)
-                else:
-                    self._deliver(msg.id, msg, final=True)
+                match msg:
+                    case Tokens():
+                        self._deliver(msg.id, msg, final=False)
+                    case Done():
+                        self._deliver(msg.id, msg, final=True)
+                    case Stats():
+                        if self._stats_waiting:
+                            with self._stats_waiting.popleft() as send, suppress(anyio.BrokenResourceError):
+                                send.send_nowait(msg)  # broken: the caller was cancelled meanwhile
+                    case Error() if msg.id is None or msg.code == "unknown_id":
+                        self._notice(msg)
+                    case Error():
+                        self._deliver(msg.id, msg, final=True)
         except ConnectionClosed:
             pass
         finally:
@@ -294,3 +322,5 @@ class Client:
             streams, self._streams = self._streams, {}
             for send in streams.values():
                 send.close()
+            while self._stats_waiting:
+                self._stats_waiting.popleft().close()

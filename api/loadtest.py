@@ -11,12 +11,16 @@ are tested without a server. Definitions used in the summary:
   g / n ms (a speculative step delivers several tokens at once; each counts at its amortised latency).
 - ``acceptance``: per drafter, accepted / drafted summed over requests.
 - A request is ok when it ends with ``done`` and finish_reason ``stop`` or ``length``; anything else counts in
-  ``errors`` (by error code, ``connection_lost``, or ``finish_error`` / ``finish_cancelled``).
+  ``errors`` (by error code, ``connection_lost``, ``disconnected``, or ``finish_error`` / ``finish_cancelled``).
+
+For soaks, :class:`Chaos` makes the clients hostile (random cancels, dropped connections, mixed drafters) and
+``stats_every`` samples the server's ``stats`` (pages, planes, requests, resident memory) during the run.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,12 +35,12 @@ import numpy as np
 from msgspec import UNSET, UnsetType
 
 from api.client import Client, ConnectionLost, RequestError
-from api.protocol import ChatMessage, Done, RollbackSteps, SpecStats, Speculative, Timings, Tokens
+from api.protocol import ChatMessage, Done, RollbackSteps, SpecStats, Speculative, Stats, Timings, Tokens
 
 __all__ = [
     "Prompt", "PROMPT_SETS", "PromptFileError", "load_prompts", "parse_prompt_lines",
     "Chunk", "RequestRecord", "Percentiles", "Summary", "summarize", "format_table", "throughput_series",
-    "plot_throughput", "LoadTestResult", "run_loadtest",
+    "plot_throughput", "Chaos", "StatsSample", "LoadTestResult", "run_loadtest",
 ]
 
 
@@ -379,11 +383,43 @@ def plot_throughput(
 
 
 @dataclass(frozen=True)
+class Chaos:
+    """Hostile clients: each request is cancelled mid-stream with probability ``cancel``, or has its connection
+    dropped mid-stream with probability ``disconnect`` (the worker then reconnects), after a random number of
+    chunks (0: right after sending); its speculative policy is drawn from ``policies`` when given."""
+
+    cancel: float = 0.0
+    disconnect: float = 0.0
+    policies: tuple[Speculative | None | UnsetType, ...] = ()
+    max_chunks: int = 8
+    seed: int = 0
+
+    def fate(self, rng: random.Random) -> tuple[str, int] | None:
+        """("cancel" or "disconnect", after how many chunks), or None to run the request to its end."""
+        draw = rng.random()
+        if draw < self.cancel:
+            return "cancel", rng.randint(0, self.max_chunks)
+        if draw < self.cancel + self.disconnect:
+            return "disconnect", rng.randint(0, self.max_chunks)
+        return None
+
+
+@dataclass(frozen=True)
+class StatsSample:
+    """The server's ``stats`` at ``t`` seconds since the run started."""
+
+    t: float
+    stats: Stats
+
+
+@dataclass(frozen=True)
 class LoadTestResult:
-    """Records of a run (in completion order) and its wall time."""
+    """Records of a run (in completion order), its wall time, and the server's stats sampled during it (the last
+    one after every request ended)."""
 
     records: tuple[RequestRecord, ...]
     wall_s: float
+    stats: tuple[StatsSample, ...] = ()
 
     def summary(self) -> Summary:
         """:func:`summarize` over the run."""
@@ -392,23 +428,37 @@ class LoadTestResult:
 
 async def _one_request(
     client: Client, index: int, worker: int, prompt_index: int, prompt: Prompt, options: Mapping[str, Any],
-    now: Callable[[], float],
+    now: Callable[[], float], fate: tuple[str, int] | None = None, start: float | None = None,
 ) -> RequestRecord:
-    start = now()
+    start = now() if start is None else start
     chunks: list[Chunk] = []
     done: Done | None = None
     error: str | None = None
+    acted = False
+
+    async def act() -> None:
+        nonlocal acted
+        acted = True
+        if fate[0] == "cancel":
+            await stream.cancel()
+        else:
+            await client.close()
+
     try:
         stream = await client.generate(prompt.text, messages=prompt.messages, **options)
+        if fate is not None and fate[1] == 0:
+            await act()
         async for frame in stream:
             if isinstance(frame, Tokens):
                 chunks.append(Chunk(now(), len(frame.token_ids), frame.n_from_drafts))
+                if fate is not None and not acted and len(chunks) == fate[1]:
+                    await act()
             else:
                 done = frame
     except RequestError as exc:
         error = exc.code
     except ConnectionLost:
-        error = "connection_lost"
+        error = "disconnected" if acted and fate[0] == "disconnect" else "connection_lost"
     return RequestRecord(
         index=index, worker=worker, prompt_index=prompt_index, start=start, end=now(), chunks=tuple(chunks),
         finish_reason=done.finish_reason if done else None, error=error,
@@ -434,6 +484,8 @@ async def run_loadtest(
     connections: int | None = None,
     progress: Callable[[RequestRecord, int], None] | None = None,
     connect_options: Mapping[str, Any] | None = None,
+    chaos: Chaos | None = None,
+    stats_every: float | None = None,
 ) -> LoadTestResult:
     """Run ``concurrency`` workers, each sending requests back to back, until ``requests`` have been started or
     ``duration`` seconds have passed (give exactly one); requests in flight then finish.
@@ -442,6 +494,10 @@ async def run_loadtest(
     options and ``speculative`` take the server's defaults (``speculative=None``: plain decoding). Workers share
     ``connections`` websocket connections (default: one each). ``progress(record, n_finished)`` is called after
     every request. A worker whose connection is lost stops.
+
+    With ``chaos``, every worker has a connection of its own and behaves as :class:`Chaos` says; a worker whose
+    connection drops reconnects. With ``stats_every``, one more connection samples the server's ``stats`` that
+    often, and once more after the run, when the server has let go of every request.
     """
     if (requests is None) == (duration is None):
         raise ValueError("give exactly one of requests or duration")
@@ -457,32 +513,89 @@ async def run_loadtest(
     def now() -> float:
         return time.perf_counter() - t0
 
+    taken_at: dict[int, float] = {}  # a request starts when it is taken, the instant checked against duration
+
     def take() -> int | None:
         nonlocal next_index
+        t = now()
         if requests is not None and next_index >= requests:
             return None
-        if duration is not None and now() >= duration:
+        if duration is not None and t >= duration:
             return None
+        taken_at[next_index] = t
         next_index += 1
         return next_index - 1
 
+    samples: list[StatsSample] = []
+
+    async def run_one(client: Client, w: int, i: int, rng: random.Random | None) -> RequestRecord:
+        per_request = dict(options, seed=None if seed is None else seed + i)
+        fate = None
+        if chaos is not None:
+            fate = chaos.fate(rng)
+            if chaos.policies:
+                per_request["speculative"] = rng.choice(chaos.policies)
+        record = await _one_request(client, i, w, i % len(prompts), prompts[i % len(prompts)], per_request, now,
+                                    fate, taken_at.pop(i))  # fmt: skip
+        records.append(record)
+        if progress is not None:
+            progress(record, len(records))
+        return record
+
     async def worker(w: int, client: Client) -> None:
         while (i := take()) is not None:
-            per_request = dict(options, seed=None if seed is None else seed + i)
-            record = await _one_request(client, i, w, i % len(prompts), prompts[i % len(prompts)], per_request, now)
-            records.append(record)
-            if progress is not None:
-                progress(record, len(records))
-            if record.error == "connection_lost":
+            if (await run_one(client, w, i, None)).error == "connection_lost":
                 return
 
+    async def chaos_worker(w: int) -> None:
+        rng = random.Random(chaos.seed * 100_003 + w)
+        i = take()
+        while i is not None:
+            async with Client(url, id_prefix=f"w{w}-", **(connect_options or {})) as client:
+                while i is not None:
+                    record = await run_one(client, w, i, rng)
+                    i = take()
+                    if record.error == "connection_lost":
+                        return
+                    if record.error == "disconnected":
+                        break
+
+    async def sample(client: Client) -> None:
+        while True:
+            samples.append(StatsSample(now(), await client.stats()))
+            await anyio.sleep(stats_every)
+
     async with AsyncExitStack() as stack:
-        clients = [
+        clients = [] if chaos is not None else [
             await stack.enter_async_context(Client(url, id_prefix=f"c{k}-", **(connect_options or {})))
             for k in range(n_conn)
-        ]
-        async with anyio.create_task_group() as tg:
-            for w in range(concurrency):
-                tg.start_soon(worker, w, clients[w % n_conn])
+        ]  # fmt: skip
+        observer = None
+        if stats_every is not None:
+            observer = await stack.enter_async_context(Client(url, id_prefix="stats-", **(connect_options or {})))
+        async with anyio.create_task_group() as sampling:
+            if observer is not None:
+                sampling.start_soon(sample, observer)
+            async with anyio.create_task_group() as tg:
+                for w in range(concurrency):
+                    if chaos is not None:
+                        tg.start_soon(chaos_worker, w)
+                    else:
+                        tg.start_soon(worker, w, clients[w % n_conn])
+            sampling.cancel_scope.cancel()
         wall_s = now()
-    return LoadTestResult(records=tuple(records), wall_s=wall_s)
+        if observer is not None:
+            samples.append(StatsSample(now(), await _settled_stats(observer)))
+    return LoadTestResult(records=tuple(records), wall_s=wall_s, stats=tuple(samples))
+
+
+async def _settled_stats(client: Client, patience_s: float = 10.0) -> Stats:
+    """The server's stats once it holds no request: aborts of dropped connections reach the engine a moment
+    after the clients saw their requests end, so this asks again (briefly) until they have."""
+    deadline = time.perf_counter() + patience_s
+    while True:
+        stats = await client.stats()
+        idle = stats.requests_in_flight == stats.requests_running == stats.requests_waiting == 0
+        if idle or time.perf_counter() > deadline:
+            return stats
+        await anyio.sleep(0.1)

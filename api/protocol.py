@@ -3,13 +3,14 @@
 Frames are JSON text frames. Every frame is one object whose ``type`` field names the message (msgspec tagged
 unions). Several requests share one connection; a client-chosen ``id`` names each request.
 
-Client -> server: ``generate`` (start a request), ``cancel`` (stop one).
+Client -> server: ``generate`` (start a request), ``cancel`` (stop one), ``stats`` (ask for the server's counts).
 Server -> client: ``tokens`` (a streamed chunk), ``done`` (the last frame of a request), ``error`` (a rejected
-frame or request; with an id it is the last frame of that request, except ``unknown_id``).
+frame or request; with an id it is the last frame of that request, except ``unknown_id``), ``stats``.
 
 The server plugs in through :class:`Connection`, a Sans-I/O object holding one typed decoder and the ids in
-flight: ``connection.receive(frame)`` returns a resolved :class:`GenerateRequest`, a :class:`Cancel`, or an
-:class:`Error` to send back. ``python -m api.protocol --schema`` prints the JSON Schema (docs/protocol.schema.json).
+flight: ``connection.receive(frame)`` returns a resolved :class:`GenerateRequest`, a :class:`Cancel`, a
+:class:`StatsRequest`, or an :class:`Error` to send back. ``python -m api.protocol --schema`` prints the JSON
+Schema (docs/protocol.schema.json).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 __all__ = [
-    "ChatMessage", "Speculative", "Generate", "Cancel", "ClientMessage",
-    "Usage", "DrafterStats", "RollbackSteps", "SpecStats", "Timings", "Tokens", "Done", "Error", "ServerMessage",
+    "ChatMessage", "Speculative", "Generate", "Cancel", "StatsRequest", "ClientMessage",
+    "Usage", "DrafterStats", "RollbackSteps", "SpecStats", "Timings", "Failure", "Tokens", "Done", "Error", "Stats",
+    "ServerMessage",
     "Rollback", "FinishReason", "ErrorCode", "ERROR_CODES",
     "Defaults", "Limits", "ServerSettings", "SpeculativePolicy", "GenerateRequest",
     "resolve_generate", "check_prompt_tokens", "error", "Connection", "schema", "schema_json",
@@ -37,13 +39,22 @@ Rollback = Literal["auto", "snapshot", "checkpoint"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ErrorCode = Literal[
     "bad_json", "bad_message", "bad_value", "unknown_drafter", "prompt_too_long", "too_many_requests",
-    "duplicate_id", "unknown_id", "message_too_large", "internal",
+    "duplicate_id", "unknown_id", "message_too_large", "overloaded", "internal",
 ]
 ERROR_CODES: tuple[str, ...] = ErrorCode.__args__
 
+# Bounds every server shares; what a server may lower (tokens, prompt length, ...) is in Limits.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**32 - 1  # sampling keys are derived from 32-bit seeds, so a larger seed would be cut silently
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1024
+MAX_DRAFTERS = 16
+MAX_NAME_CHARS = 64
+
 RequestId = Annotated[str, Meta(min_length=1, max_length=128, description="Client-chosen request id.")]
-TokenId = Annotated[int, Meta(ge=0)]
-MAX_SEED = 2**63 - 1
+TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -53,19 +64,20 @@ MAX_SEED = 2**63 - 1
 class ChatMessage(Struct, frozen=True, forbid_unknown_fields=True):
     """One chat turn, rendered into a prompt by the model's chat template."""
 
-    role: Annotated[str, Meta(min_length=1, description="system, user, assistant, ...")]
-    content: str
+    role: Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS, description="system, user, assistant, ...")]
+    content: Annotated[str, Meta(description="Counts towards the server's max_prompt_chars.")]
 
 
 class Speculative(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Speculative-decoding policy of one request; a missing or null field takes the server's default."""
 
     drafters: (
-        Annotated[list[str], Meta(description="Drafter names in order of preference; [] = plain decoding.")]
+        Annotated[list[Name], Meta(max_length=MAX_DRAFTERS,
+                                   description="Drafter names in order of preference; [] = plain decoding.")]
         | None
     ) = None
-    n_max: Annotated[int, Meta(ge=1, description="Longest draft per step.")] | None = None
-    n_min: Annotated[int, Meta(ge=0, description="Shortest draft worth verifying.")] | None = None
+    n_max: Annotated[int, Meta(ge=1, le=MAX_INT32, description="Longest draft per step.")] | None = None
+    n_min: Annotated[int, Meta(ge=0, le=MAX_INT32, description="Shortest draft worth verifying.")] | None = None
     p_min: (
         Annotated[float, Meta(ge=0.0, le=1.0, description="Stop drafting below this draft probability.")] | None
     ) = None
@@ -77,19 +89,27 @@ class Generate(Struct, frozen=True, tag="generate", forbid_unknown_fields=True, 
     ``speculative`` missing means the server's default policy, null means plain decoding."""
 
     id: RequestId
-    prompt: Annotated[str, Meta(min_length=1, description="Raw text, tokenized as is.")] | None = None
-    prompt_ids: Annotated[list[TokenId], Meta(min_length=1, description="Token ids.")] | None = None
-    messages: (
-        Annotated[list[ChatMessage], Meta(min_length=1, description="Chat turns, rendered with the chat template.")]
+    prompt: (
+        Annotated[str, Meta(min_length=1, description="Raw text, tokenized as is; at most the server's "
+                                                      "max_prompt_chars characters.")]
         | None
     ) = None
-    max_tokens: Annotated[int, Meta(ge=1, description="Most tokens to generate.")] | None = None
+    prompt_ids: Annotated[list[TokenId], Meta(min_length=1, description="Token ids.")] | None = None
+    messages: (
+        Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES,
+                                          description="Chat turns, rendered with the chat template.")]
+        | None
+    ) = None
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_INT32, description="Most tokens to generate.")] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=100.0, description="0 = greedy.")] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0, description="0 = off.")] | None = None
+    top_k: (
+        Annotated[int, Meta(ge=0, le=MAX_INT32, description="0 = off; at most the model's vocabulary size.")] | None
+    ) = None
     seed: Annotated[int, Meta(ge=0, le=MAX_SEED, description="Missing: the server draws one.")] | None = None
     stop: (
-        Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(max_length=16, description="Stop strings.")]
+        Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+                  Meta(max_length=MAX_STOP_STRINGS, description="Stop strings.")]
         | None
     ) = None
     speculative: Speculative | None | UnsetType = UNSET
@@ -101,7 +121,11 @@ class Cancel(Struct, frozen=True, tag="cancel", forbid_unknown_fields=True):
     id: RequestId
 
 
-ClientMessage = Generate | Cancel
+class StatsRequest(Struct, frozen=True, tag="stats", forbid_unknown_fields=True):
+    """Ask for the server's counts; the server answers with a ``stats`` frame."""
+
+
+ClientMessage = Generate | Cancel | StatsRequest
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -144,6 +168,13 @@ class Timings(Struct, frozen=True):
     tokens_per_s: Annotated[float, Meta(description="Completion tokens per second after the first token.")]
 
 
+class Failure(Struct, frozen=True):
+    """Why a request ended with finish_reason ``error``."""
+
+    code: ErrorCode
+    message: str
+
+
 class Tokens(Struct, frozen=True, tag="tokens"):
     """A chunk of generated tokens. ``text`` is the UTF-8-safe text delta (it may lag token_ids while a
     multi-byte character or a possible stop string is incomplete)."""
@@ -162,6 +193,7 @@ class Done(Struct, frozen=True, tag="done"):
     usage: Usage
     spec: SpecStats
     timings: Timings
+    error: Annotated[Failure, Meta(description="With finish_reason error: what failed.")] | None = None
 
 
 class Error(Struct, frozen=True, tag="error"):
@@ -173,7 +205,23 @@ class Error(Struct, frozen=True, tag="error"):
     message: str
 
 
-ServerMessage = Tokens | Done | Error
+class Stats(Struct, frozen=True, tag="stats"):
+    """The server's counts at the moment of the ``stats`` request."""
+
+    connections: int
+    requests_running: Annotated[int, Meta(description="Sequences holding memory in the engine.")]
+    requests_waiting: Annotated[int, Meta(description="Sequences queued in the engine.")]
+    requests_in_flight: Annotated[int, Meta(description="Accepted requests without their final frame, all "
+                                                        "connections.")]
+    pages_free: int
+    pages_total: Annotated[int, Meta(description="KV pages that can be handed out.")]
+    planes_free: int
+    planes_total: Annotated[int, Meta(description="GDN state planes that can be handed out.")]
+    steps: Annotated[int, Meta(description="Engine steps since start.")]
+    rss_bytes: Annotated[int, Meta(description="The server process's resident memory.")]
+
+
+ServerMessage = Tokens | Done | Error | Stats
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,9 +246,12 @@ class Limits(Struct, frozen=True, forbid_unknown_fields=True):
     """What the server accepts."""
 
     max_prompt_tokens: int = 32768
+    max_prompt_chars: int = 256 * 1024  # text and chat content, checked before tokenizing
     max_max_tokens: int = 8192
     max_message_bytes: int = 2 * 1024 * 1024
-    max_in_flight: int = 64
+    max_in_flight: int = 64  # per connection
+    max_connections: int = 256
+    max_queued: int = 256  # requests waiting for the engine beyond those it runs, all connections
     max_n_max: int = 64
     known_drafters: tuple[str, ...] = ("ngram",)
     vocab_size: int | None = None
@@ -262,7 +313,7 @@ def error(request_id: str | None, code: ErrorCode, message: str) -> Error:
 
 
 def _random_seed() -> int:
-    return secrets.randbits(63)
+    return secrets.randbits(32)
 
 
 def _resolve_speculative(
@@ -307,14 +358,22 @@ def resolve_generate(
 
     Returns the resolved request, or an ``error`` frame (code ``bad_value``, ``unknown_drafter`` or
     ``prompt_too_long``) whose message names the offending field. ``seed_source`` draws the seed of a request
-    that has none. Prompt length is checked here only for ``prompt_ids``; text and chat prompts are checked
-    with :func:`check_prompt_tokens` after tokenization.
+    that has none. Text and chat prompts are checked here in characters, before any tokenizing; their tokens
+    are checked with :func:`check_prompt_tokens` after tokenization.
     """
     d, lim = settings.defaults, settings.limits
     given = [name for name in ("prompt", "prompt_ids", "messages") if getattr(msg, name) is not None]
     if len(given) != 1:
         return error(msg.id, "bad_value",
                      f"exactly one of prompt, prompt_ids, messages is required; got {given or 'none'}")
+    if msg.prompt is not None and len(msg.prompt) > lim.max_prompt_chars:
+        return error(msg.id, "prompt_too_long", f"prompt has {len(msg.prompt)} characters; this server accepts at "
+                                                f"most {lim.max_prompt_chars} - at `$.prompt`")
+    if msg.messages is not None:
+        n_chars = sum(len(m.content) for m in msg.messages)
+        if n_chars > lim.max_prompt_chars:
+            return error(msg.id, "prompt_too_long", f"messages have {n_chars} characters of content; this server "
+                                                    f"accepts at most {lim.max_prompt_chars} - at `$.messages`")
     if msg.prompt_ids is not None:
         if lim.vocab_size is not None:
             for i, tok in enumerate(msg.prompt_ids):
@@ -328,6 +387,9 @@ def resolve_generate(
     if max_tokens > lim.max_max_tokens:
         return error(msg.id, "bad_value",
                      f"max_tokens {max_tokens} exceeds this server's {lim.max_max_tokens} - at `$.max_tokens`")
+    if msg.top_k is not None and lim.vocab_size is not None and msg.top_k > lim.vocab_size:
+        return error(msg.id, "bad_value",
+                     f"top_k {msg.top_k} exceeds the vocabulary size {lim.vocab_size} - at `$.top_k`")
     spec = _resolve_speculative(msg, settings)
     if isinstance(spec, Error):
         return spec
@@ -385,12 +447,13 @@ class Connection:
         """The frame's id, if it has one that is not in flight (an error must not end a running request)."""
         try:
             rid = _id_decoder.decode(frame).id
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             return None
         return rid if rid is not None and rid not in self._in_flight else None
 
-    def receive(self, frame: str | bytes) -> GenerateRequest | Cancel | Error:
-        """Decode and check one frame. An accepted ``generate`` is registered as in flight."""
+    def receive(self, frame: str | bytes) -> GenerateRequest | Cancel | StatsRequest | Error:
+        """Decode and check one text frame (str, or its UTF-8 bytes). An accepted ``generate`` is registered as
+        in flight. Never raises: whatever the frame holds, the answer is a message."""
         lim = self.settings.limits
         size = len(frame) if isinstance(frame, bytes) else len(frame.encode("utf-8", "surrogatepass"))
         if size > lim.max_message_bytes:
@@ -402,10 +465,15 @@ class Connection:
             return error(self._reply_id(frame), "bad_message", str(exc))
         except msgspec.DecodeError as exc:
             return error(None, "bad_json", str(exc))
-        if isinstance(msg, Cancel):
-            if msg.id not in self._in_flight:
-                return error(msg.id, "unknown_id", f"no request {msg.id!r} is in flight on this connection")
-            return msg
+        except RecursionError:
+            return error(None, "bad_json", "JSON nested too deeply")
+        match msg:
+            case StatsRequest():
+                return msg
+            case Cancel():
+                if msg.id not in self._in_flight:
+                    return error(msg.id, "unknown_id", f"no request {msg.id!r} is in flight on this connection")
+                return msg
         if msg.id in self._in_flight:
             return error(None, "duplicate_id", f"request {msg.id!r} is already in flight on this connection")
         if len(self._in_flight) >= lim.max_in_flight:
@@ -421,7 +489,7 @@ class Connection:
         """Forget a request after its final frame was sent; its id may be used again."""
         self._in_flight.discard(request_id)
 
-    def encode(self, msg: Tokens | Done | Error) -> bytes:
+    def encode(self, msg: Tokens | Done | Error | Stats) -> bytes:
         """Encode a server frame as UTF-8 JSON (send it as a text frame)."""
         return self._encoder.encode(msg)
 

@@ -1,22 +1,32 @@
 """The websocket server: one connection, many requests multiplexed by id, each streamed from the engine.
 
 Each connection has its own task group: a reader (frames -> `api.protocol.Connection` -> request tasks), one
-task per request (engine events -> frames), and a writer draining a bounded outbound stream. A client too slow
-to drain its stream gets its connection closed with 1008 and its requests cancelled, so it never stalls others.
+task per request (tokenizing in a worker thread, then engine events -> frames), and a writer draining a bounded
+outbound stream. A client too slow to drain its stream gets its connection closed with 1008 and its requests
+cancelled, so it never stalls others. Whatever a frame holds, the reader answers it and reads on.
+
+The handshake is where access is decided (`Access`): an API key when one is set, the Origin header (browsers
+send one; only listed origins are let in) and the number of connections.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import ipaddress
 import logging
 import math
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 
 import anyio
 import websockets
 from anyio.abc import TaskGroup
 from websockets.asyncio.server import ServerConnection, serve
+from websockets.http11 import Request, Response
 
 from scheduler.engine import Engine, GenerationRequest, RequestTiming
 from jaxmodel.runtime import Sampling
@@ -24,12 +34,57 @@ from scheduler.types import DoneEvent, TokensEvent
 from drafters.policy import SpeculativeConfig
 
 from .chat import ChatTemplateError, render_chat
-from .protocol import (Cancel, Connection, Done, DrafterStats, Error, GenerateRequest, RollbackSteps,
-                       ServerSettings, SpecStats, Timings, Tokens, Usage, check_prompt_tokens, error)
+from .protocol import (Cancel, Connection, Done, DrafterStats, Error, Failure, GenerateRequest, RollbackSteps,
+                       ServerSettings, SpecStats, Stats, StatsRequest, Timings, Tokens, Usage, check_prompt_tokens,
+                       error)
 
 log = logging.getLogger("gdnspec.server")
 
 OUTBOUND_FRAMES = 1024  # per connection; a client this far behind is closed (1008)
+PREPARE_THREADS = 2  # tokenizing and chat templates run in at most this many worker threads at once
+SHUTDOWN_GRACE_S = 5.0  # stop(): how long in-flight requests get to send their done frames
+CLOSE_TIMEOUT_S = 2.0  # a closing handshake the peer does not answer is cut after this
+API_KEY_ENV = "GDNSPEC_API_KEY"
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may connect. api_key: required as ``Authorization: Bearer <key>`` when set (compared in constant
+    time). origins: the browser origins let in (``https://app.example``); a handshake without an Origin header
+    (any non-browser client) is always let in, one with an unlisted origin is refused with 403, so no web page
+    can use a server it was not meant to."""
+
+    api_key: str | None = None
+    origins: tuple[str, ...] = ()
+
+    @staticmethod
+    def from_env(api_key: str | None = None, origins: Sequence[str] = ()) -> Access:
+        """The key given, else the GDNSPEC_API_KEY environment variable (empty means none)."""
+        return Access(api_key or os.environ.get(API_KEY_ENV) or None, tuple(origins))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def loggable(request_id: str) -> str:
+    """A client-chosen id as it may go into a log line: quoted, every control or non-ASCII character escaped."""
+    return ascii(request_id)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class SlowClient(Exception):
@@ -41,11 +96,13 @@ class _Outbound:
     send: anyio.abc.ObjectSendStream
     connection: Connection
 
-    def put(self, message: Tokens | Done | Error) -> None:
+    def put(self, message: Tokens | Done | Error | Stats) -> None:
         try:
             self.send.send_nowait(self.connection.encode(message))
         except anyio.WouldBlock:
             raise SlowClient from None
+        except anyio.ClosedResourceError:
+            pass  # the connection is closing (shutdown): nothing more goes out
 
 
 @dataclass(eq=False)
@@ -61,12 +118,49 @@ class _Client:
 class Server:
     """Serves an engine over websockets. `tokenizer` turns prompts and chat messages into ids."""
 
-    def __init__(self, engine: Engine, tokenizer, settings: ServerSettings):
+    def __init__(self, engine: Engine, tokenizer, settings: ServerSettings, access: Access = Access(),
+                 shutdown_grace_s: float = SHUTDOWN_GRACE_S):
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = settings
+        self.access = access
+        self.shutdown_grace_s = shutdown_grace_s
         self.chat_template = tokenizer.chat_template if tokenizer is not None else None
         self.clients: set[_Client] = set()
+        self.closing = False
+        self.n_requests = 0  # accepted and not finished, all connections
+        self._prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+
+    def check_handshake(self, ws: ServerConnection, request: Request) -> Response | None:
+        """websockets' process_request: refuse a missing or wrong API key (401) and a connection beyond
+        max_connections (503). Origins are checked by websockets itself (`run_server`)."""
+        key = self.access.api_key
+        if key is not None:
+            given = request.headers.get("Authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                log.warning("refused a connection from %s: missing or wrong API key", ws.remote_address)
+                return ws.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
+        if self.closing:
+            return ws.respond(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down\n")
+        if len(self.clients) >= self.settings.limits.max_connections:
+            log.warning("refused a connection from %s: %d connections open", ws.remote_address, len(self.clients))
+            return ws.respond(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections; try again later\n")
+        return None
+
+    def stats(self) -> Stats:
+        """The counts a `stats` request gets."""
+        memory, scheduler = self.engine.memory, self.engine.scheduler
+        return Stats(connections=len(self.clients), requests_running=scheduler.n_running,
+                     requests_waiting=scheduler.n_waiting, requests_in_flight=self.n_requests,
+                     pages_free=memory.free_pages, pages_total=memory.usable_pages, planes_free=memory.free_planes,
+                     planes_total=memory.usable_planes, steps=self.engine.steps,
+                     rss_bytes=resident_bytes())  # fmt: skip
+
+    @property
+    def max_requests(self) -> int:
+        """Requests the server holds at once: those the engine runs plus max_queued waiting."""
+        return self.engine.scheduler.max_running + self.settings.limits.max_queued
 
     async def handle(self, ws: ServerConnection) -> None:
         send, receive = anyio.create_memory_object_stream(OUTBOUND_FRAMES)
@@ -87,14 +181,18 @@ class Server:
             self.clients.discard(client)
 
     async def stop(self) -> None:
-        """Cancel every running request (each gets its done frame, finish_reason cancelled), let the frames go
-        out, then close every connection."""
+        """Cancel every running request (each gets its done frame, finish_reason cancelled, as does every request
+        that arrives meanwhile), let the frames go out, then close every connection; all within
+        shutdown_grace_s, whatever the clients do."""
+        self.closing = True
         for client in list(self.clients):
             for scope in client.requests.values():
                 scope.cancel()
+        with anyio.move_on_after(self.shutdown_grace_s):
+            for client in list(self.clients):
+                for finished in list(client.finished.values()):
+                    await finished.wait()
         for client in list(self.clients):
-            for finished in list(client.finished.values()):
-                await finished.wait()
             client.outbound.send.close()
 
     @staticmethod
@@ -104,29 +202,48 @@ class Server:
                 await ws.send(frame, text=True)
 
     async def _reader(self, client: _Client, tg: TaskGroup) -> None:
-        connection, outbound = client.outbound.connection, client.outbound
         try:
             async for frame in client.ws:
-                result = connection.receive(frame)
-                match result:
-                    case Error():
-                        outbound.put(result)
-                    case Cancel(id=request_id):
-                        scope = client.requests.get(request_id)
-                        if scope is not None:
-                            scope.cancel()
-                    case GenerateRequest():
-                        prepared = self._prepare(result)
-                        if isinstance(prepared, Error):
-                            outbound.put(prepared)
-                            connection.finish(result.id)
-                        else:
-                            client.requests[result.id] = anyio.CancelScope()
-                            client.finished[result.id] = anyio.Event()
-                            tg.start_soon(self._run, result, prepared, client)
+                try:
+                    self._on_frame(frame, client, tg)
+                except SlowClient:
+                    raise
+                except Exception:  # a bug in handling one frame must not end the connection's other requests
+                    log.exception("failed to handle a frame from %s", client.ws.remote_address)
+                    client.outbound.put(error(None, "internal", "the server failed to handle this frame"))
         except websockets.ConnectionClosed:
             pass
         tg.cancel_scope.cancel()  # the client went away: its requests are cancelled with the task group
+
+    def _on_frame(self, frame: str | bytes, client: _Client, tg: TaskGroup) -> None:
+        connection, outbound = client.outbound.connection, client.outbound
+        if isinstance(frame, bytes):
+            outbound.put(error(None, "bad_message",
+                               f"a binary frame of {len(frame)} bytes; this protocol uses JSON text frames"))
+            return
+        result = connection.receive(frame)
+        match result:
+            case Error():
+                outbound.put(result)
+            case StatsRequest():
+                outbound.put(self.stats())
+            case Cancel(id=request_id):
+                scope = client.requests.get(request_id)
+                if scope is not None:
+                    scope.cancel()
+            case GenerateRequest() if self.closing:
+                usage, timings = Usage(0, 0), Timings(queue_ms=0.0, ttft_ms=None, tokens_per_s=0.0)
+                outbound.put(Done(result.id, "cancelled", usage, SpecStats(), timings))
+                connection.finish(result.id)
+            case GenerateRequest() if self.n_requests >= self.max_requests:
+                outbound.put(error(result.id, "overloaded",
+                                   f"the server holds {self.n_requests} requests, its most; try again later"))
+                connection.finish(result.id)
+            case GenerateRequest():
+                self.n_requests += 1
+                client.requests[result.id] = anyio.CancelScope()
+                client.finished[result.id] = anyio.Event()
+                tg.start_soon(self._run, result, client)
 
     def _prepare(self, request: GenerateRequest) -> GenerationRequest | Error:
         if request.prompt_ids is not None:
@@ -166,33 +283,64 @@ class Server:
             rollback=spec.rollback if spec is not None else "auto",
         )
 
-    async def _run(self, request: GenerateRequest, prepared: GenerationRequest, client: _Client) -> None:
+    async def _run(self, request: GenerateRequest, client: _Client) -> None:
         timing = RequestTiming()
-        completion, done = 0, None
+        timing.arrived = time.perf_counter()
         outbound = client.outbound
-        with client.requests[request.id]:
-            async for event in self.engine.generate(prepared, timing):
-                if isinstance(event, TokensEvent):
-                    completion += len(event.token_ids)
-                    outbound.put(Tokens(request.id, list(event.token_ids), event.text, event.n_from_drafts))
-                else:
-                    done = event
-        del client.requests[request.id]
-        frame = self._done_frame(request.id, prepared, done, completion, timing)
         try:
-            outbound.put(frame)
+            frame = await self._generate(request, client, timing)
+            try:
+                outbound.put(frame)
+            except (TypeError, ValueError):  # a frame that cannot be encoded fails its request, not the connection
+                log.exception("request %s: its final frame could not be encoded", loggable(request.id))
+                frame = Done(request.id, "error", frame.usage, SpecStats(), frame.timings,
+                             Failure("internal", "the server could not encode this request's final frame"))
+                outbound.put(frame)
         finally:
+            self.n_requests -= 1
+            client.requests.pop(request.id, None)
             outbound.connection.finish(request.id)
             client.finished.pop(request.id).set()
-        spec = frame.spec
-        acceptance = ", ".join(f"{k} {v.accepted}/{v.drafted}" for k, v in spec.drafters.items()) or "none"
-        log.info("request %s: %d+%d tokens, %s, accepted %s, snapshot %d / checkpoint %d steps, %.1f tokens/s",
-                 request.id, frame.usage.prompt_tokens, frame.usage.completion_tokens, frame.finish_reason,
-                 acceptance, spec.rollback.snapshot, spec.rollback.checkpoint, frame.timings.tokens_per_s)
+        match frame:
+            case Error(code=code):
+                log.info("request %s refused: %s", loggable(request.id), code)
+            case Done(error=Failure(message=message)):
+                log.warning("request %s failed: %s", loggable(request.id), message)
+            case Done(spec=spec):
+                acceptance = ", ".join(f"{k} {v.accepted}/{v.drafted}" for k, v in spec.drafters.items()) or "none"
+                log.info("request %s: %d+%d tokens, %s, accepted %s, snapshot %d / checkpoint %d steps, "
+                         "%.1f tokens/s", loggable(request.id), frame.usage.prompt_tokens,
+                         frame.usage.completion_tokens, frame.finish_reason, acceptance, spec.rollback.snapshot,
+                         spec.rollback.checkpoint, frame.timings.tokens_per_s)  # fmt: skip
+
+    async def _generate(self, request: GenerateRequest, client: _Client, timing: RequestTiming) -> Done | Error:
+        """Tokenize (in a worker thread), stream the request's tokens, and return its final frame."""
+        completion, done, prepared = 0, None, None
+        try:
+            with client.requests[request.id]:
+                prepared = await anyio.to_thread.run_sync(self._prepare, request, limiter=self._prepare_limiter)
+                await anyio.lowlevel.checkpoint()  # cancelled while tokenizing: it ends cancelled, whatever came
+                if isinstance(prepared, Error):
+                    return prepared
+                # aclosing: a request left by an exception (a slow client) is aborted in the engine at once
+                async with contextlib.aclosing(self.engine.generate(prepared, timing)) as events:
+                    async for event in events:
+                        if isinstance(event, TokensEvent):
+                            completion += len(event.token_ids)
+                            client.outbound.put(Tokens(request.id, list(event.token_ids), event.text,
+                                                       event.n_from_drafts))  # fmt: skip
+                        else:
+                            done = event
+        except SlowClient:
+            raise
+        except Exception as exc:  # the request fails, the connection and its other requests go on
+            log.exception("request %s failed", loggable(request.id))
+            done = DoneEvent(request.id, "error", 0, completion, error=f"internal error ({type(exc).__name__})")
+        return self._done_frame(request.id, prepared, done, completion, timing)
 
     @staticmethod
-    def _done_frame(request_id: str, prepared: GenerationRequest, done: DoneEvent | None, completion: int,
-                    timing: RequestTiming) -> Done:
+    def _done_frame(request_id: str, prepared: GenerationRequest | Error | None, done: DoneEvent | None,
+                    completion: int, timing: RequestTiming) -> Done:
         now = time.perf_counter()
         first = timing.first_token
         tokens_per_s = completion / (now - first) if first is not None and now > first and completion else 0.0
@@ -201,8 +349,12 @@ class Server:
             ttft_ms=(first - timing.arrived) * 1e3 if first is not None else None,
             tokens_per_s=tokens_per_s,
         )
+        n_prompt = len(prepared.prompt_ids) if isinstance(prepared, GenerationRequest) else 0
         if done is None:  # cancelled by the client, its disconnection or the server's shutdown
-            return Done(request_id, "cancelled", Usage(len(prepared.prompt_ids), completion), SpecStats(), timings)
+            return Done(request_id, "cancelled", Usage(n_prompt, completion), SpecStats(), timings)
+        if done.finish_reason == "error":
+            return Done(request_id, "error", Usage(n_prompt, completion), SpecStats(), timings,
+                        Failure("internal", done.error or "the server failed"))
         spec = SpecStats(
             drafters={name: DrafterStats(s.drafted, s.accepted) for name, s in done.drafters.items()},
             rollback=RollbackSteps(done.rollback_steps.get("snapshot", 0), done.rollback_steps.get("checkpoint", 0)),
@@ -230,10 +382,18 @@ async def listening(server: Server, host: str = "127.0.0.1", port: int = 0):
             shutdown.set()
 
 
-async def run_server(server: Server, host: str, port: int, *, ready=None, shutdown: anyio.Event | None = None) -> None:
-    """Serve until `shutdown` is set (or forever). ready(port) is called once listening (port 0 picks one)."""
+async def run_server(server: Server, host: str, port: int, *, ready=None, shutdown: anyio.Event | None = None,
+                     compression: bool = False) -> None:
+    """Serve until `shutdown` is set (or forever). ready(port) is called once listening (port 0 picks one).
+    compression: offer permessage-deflate (off by default: it costs CPU and memory per connection for little on
+    short frames)."""
     max_size = server.settings.limits.max_message_bytes * 2 + 1024  # oversized frames get an error, not a close
-    async with serve(server.handle, host, port, max_size=max_size) as ws_server:
+    if server.access.api_key is None and not is_loopback(host):
+        log.warning("serving on %s beyond loopback without an API key: anyone who can reach it may use it "
+                    "(set --api-key or %s)", host, API_KEY_ENV)  # fmt: skip
+    async with serve(server.handle, host, port, max_size=max_size, origins=[None, *server.access.origins],
+                     process_request=server.check_handshake, compression="deflate" if compression else None,
+                     close_timeout=CLOSE_TIMEOUT_S) as ws_server:
         bound = ws_server.sockets[0].getsockname()[1]
         log.info("serving on ws://%s:%d", host, bound)
         if ready is not None:

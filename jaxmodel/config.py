@@ -81,64 +81,98 @@ def _field(reader, key: str, path: str, default=None, required: bool = False):
         if required:
             raise ModelFormatError(f"{path}: missing metadata key '{key}'")
         return default
-    value = field.contents()
-    return value
+    try:
+        return field.contents()
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ModelFormatError(f"{path}: metadata '{key}' cannot be read ({exc})") from None
 
 
 def _scalar(value, key: str, path: str) -> int:
     if isinstance(value, list):
-        if len(set(value)) != 1:
+        if not value or any(v != value[0] for v in value):
             raise ModelFormatError(f"{path}: '{key}' varies per layer ({value}); only uniform values are supported")
         return value[0]
     return value
 
 
+def _count(value, key: str, path: str, minimum: int = 1) -> int:
+    """An integer metadata value of at least `minimum` (a head or group count of 0 would divide by zero)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ModelFormatError(f"{path}: '{key}' is {value!r}, not an integer")
+    if value < minimum:
+        raise ModelFormatError(f"{path}: '{key}' is {value}; it must be at least {minimum}")
+    return int(value)
+
+
+def _number(value, key: str, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not np.isfinite(value):
+        raise ModelFormatError(f"{path}: '{key}' is {value!r}, not a finite number")
+    return float(value)
+
+
 def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
     """Build the config from a `gguf.GGUFReader`'s metadata; raises ModelFormatError naming what is wrong."""
     arch = _field(reader, "general.architecture", path, required=True)
-    if arch not in SUPPORTED_ARCHS:
+    if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
         raise ModelFormatError(f"{path}: unsupported architecture '{arch}' (expected one of {', '.join(SUPPORTED_ARCHS)})")
 
     def get(key, default=None, required=False):
         return _field(reader, f"{arch}.{key}", path, default, required)
 
-    n_embd = int(get("embedding_length", required=True))
-    block_count = int(get("block_count", required=True))
-    n_mtp = int(get("nextn_predict_layers", 0))
+    def count(key, default=None, required=False, minimum=1):
+        return _count(_scalar(get(key, default, required), f"{arch}.{key}", path), f"{arch}.{key}", path, minimum)
+
+    n_embd = count("embedding_length", required=True)
+    block_count = count("block_count", required=True)
+    n_mtp = count("nextn_predict_layers", 0, minimum=0)
     n_layer = block_count - n_mtp
-    n_head = int(_scalar(get("attention.head_count", required=True), "attention.head_count", path))
-    n_head_kv = int(_scalar(get("attention.head_count_kv", n_head), "attention.head_count_kv", path))
-    head_dim = int(get("attention.key_length", n_embd // n_head))
-    value_dim = int(get("attention.value_length", head_dim))
+    if n_layer < 1:
+        raise ModelFormatError(f"{path}: '{arch}.block_count' {block_count} leaves no layer beside {n_mtp} MTP blocks")
+    n_head = count("attention.head_count", required=True)
+    n_head_kv = count("attention.head_count_kv", n_head)
+    if n_head % n_head_kv:
+        raise ModelFormatError(f"{path}: '{arch}.attention.head_count' {n_head} is not a multiple of "
+                               f"'{arch}.attention.head_count_kv' {n_head_kv}")
+    head_dim = count("attention.key_length", n_embd // n_head)
+    value_dim = count("attention.value_length", head_dim)
     if value_dim != head_dim:
         raise ModelFormatError(f"{path}: attention key_length {head_dim} != value_length {value_dim}")
     sections = get("rope.dimension_sections", required=True)
-    sections = [sections] * 4 if isinstance(sections, int) else list(sections)
-    if len(sections) != 4:
-        raise ModelFormatError(f"{path}: rope.dimension_sections must have 4 entries, got {sections}")
-    ssm_heads = int(get("ssm.time_step_rank", required=True))
-    ssm_state = int(get("ssm.state_size", required=True))
-    inner = int(get("ssm.inner_size", required=True))
+    sections = [sections] * 4 if isinstance(sections, int) else sections
+    if not isinstance(sections, list) or len(sections) != 4:
+        raise ModelFormatError(f"{path}: rope.dimension_sections must have 4 entries, got {sections!r}")
+    sections = [_count(x, f"{arch}.rope.dimension_sections", path, minimum=0) for x in sections]
+    rope_dim = count("rope.dimension_count", head_dim)
+    if rope_dim > head_dim:
+        raise ModelFormatError(f"{path}: '{arch}.rope.dimension_count' {rope_dim} exceeds the head size {head_dim}")
+    ssm_heads = count("ssm.time_step_rank", required=True)
+    ssm_state = count("ssm.state_size", required=True)
+    inner = count("ssm.inner_size", required=True)
     if inner != ssm_heads * ssm_state:
         raise ModelFormatError(f"{path}: ssm.inner_size {inner} != time_step_rank {ssm_heads} x state_size {ssm_state}")
-    ssm_groups = int(get("ssm.group_count", required=True))
+    ssm_groups = count("ssm.group_count", required=True)
     if ssm_heads % ssm_groups:
         raise ModelFormatError(f"{path}: ssm.time_step_rank {ssm_heads} is not a multiple of ssm.group_count {ssm_groups}")
 
     layer_kinds = get("attention.recurrent_layers")
     if layer_kinds is not None:
+        if not isinstance(layer_kinds, list):
+            raise ModelFormatError(f"{path}: attention.recurrent_layers is {layer_kinds!r}, not a list")
         recurrent = tuple(bool(x) for x in list(layer_kinds)[:n_layer])
         if len(recurrent) != n_layer:
             raise ModelFormatError(f"{path}: attention.recurrent_layers has {len(layer_kinds)} entries, expected {block_count}")
     else:
-        interval = int(get("full_attention_interval", 4))
+        interval = count("full_attention_interval", 4)
         recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
 
     tokens = _field(reader, "tokenizer.ggml.tokens", path)
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if tokens is not None else 0
-    n_expert = int(get("expert_count", 0))
-    n_expert_used = int(get("expert_used_count", 0))
-    n_ff = int(_scalar(get("feed_forward_length", 0), "feed_forward_length", path))
+    n_expert = count("expert_count", 0, minimum=0)
+    n_expert_used = count("expert_used_count", 0, minimum=0)
+    if n_expert_used > n_expert:
+        raise ModelFormatError(f"{path}: '{arch}.expert_used_count' {n_expert_used} exceeds "
+                               f"'{arch}.expert_count' {n_expert}")
+    n_ff = count("feed_forward_length", 0, minimum=0)
     if arch == "qwen35moe" and n_expert == 0:
         raise ModelFormatError(f"{path}: qwen35moe needs '{arch}.expert_count' > 0")
     cfg = ModelConfig(
@@ -150,21 +184,22 @@ def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        rope_dim=int(get("rope.dimension_count", head_dim)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_sections=tuple(int(s) for s in sections),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
-        conv_kernel=int(get("ssm.conv_kernel", required=True)),
+        rope_dim=rope_dim,
+        rope_theta=_number(get("rope.freq_base", 10000.0), f"{arch}.rope.freq_base", path),
+        rope_sections=tuple(sections),
+        norm_eps=_number(get("attention.layer_norm_rms_epsilon", required=True),
+                         f"{arch}.attention.layer_norm_rms_epsilon", path),
+        conv_kernel=count("ssm.conv_kernel", required=True),
         ssm_state=ssm_state,
         ssm_groups=ssm_groups,
         ssm_heads=ssm_heads,
         recurrent=recurrent,
-        context_length=int(get("context_length", required=True)),
+        context_length=count("context_length", required=True),
         n_ff=n_ff,
         n_expert=n_expert,
         n_expert_used=n_expert_used,
-        n_ff_expert=int(get("expert_feed_forward_length", n_ff // max(n_expert_used, 1))) if n_expert else 0,
-        n_ff_shared=int(get("expert_shared_feed_forward_length", n_ff)) if n_expert else 0,
+        n_ff_expert=count("expert_feed_forward_length", n_ff // max(n_expert_used, 1)) if n_expert else 0,
+        n_ff_shared=count("expert_shared_feed_forward_length", n_ff, minimum=0) if n_expert else 0,
     )
     if n_mtp > 1:
         raise ModelFormatError(f"{path}: {n_mtp} MTP blocks; exactly 0 or 1 is supported")

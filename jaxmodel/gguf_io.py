@@ -12,46 +12,11 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from .config import ModelConfig, ModelFormatError, from_gguf
+from .gguf_layout import open_gguf
 from .tokenizer import CONTROL, NORMAL, UNUSED, GGUFVocab, byte_decoder, write_vocab
 from .weights import Attention, DenseFfn, GatedDeltaNet, Layer, MoeFfn, Mtp, Weights
 
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
-
-
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """Open a GGUF file, turning every way it can be broken into one ModelFormatError that names the file."""
-    path = str(path)
-    if not os.path.isfile(path):
-        raise ModelFormatError(f"{path}: no such file")
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the reader raises assorted errors on truncated or foreign files
-        _raise_if_truncated(path)
-        raise ModelFormatError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-
-
-class _TensorExtents(gguf.GGUFReader):
-    """Parses the header and tensor table only, recording where each tensor's data ends."""
-
-    def _build_tensors(self, start_offs, fields):
-        self.extents = []
-        for field in fields:
-            _, name, _, dims, raw_type, offset = field.parts
-            block_size, type_size = gguf.GGML_QUANT_SIZES[QT(raw_type[0])]
-            n_bytes = int(np.prod(dims)) * type_size // block_size
-            self.extents.append((bytes(name).decode("utf-8"), int(start_offs + offset[0]) + n_bytes))
-        self.tensors = []
-
-
-def _raise_if_truncated(path: str) -> None:
-    try:
-        extents = _TensorExtents(path, "r").extents
-    except Exception:  # the header itself is unreadable: not a GGUF, reported by the caller
-        return
-    size = os.path.getsize(path)
-    for name, end in extents:
-        if end > size:
-            raise ModelFormatError(f"{path}: truncated: tensor '{name}' needs bytes up to {end}, the file has {size}")
 
 
 class _Tensors:

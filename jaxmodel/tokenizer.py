@@ -19,6 +19,9 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from .config import ModelFormatError
+from .gguf_layout import open_gguf
+
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 QWEN35_PATTERN = (
     _CONTRACTIONS
@@ -93,27 +96,50 @@ class GGUFVocab:
 
 
 def read_vocab(source: gguf.GGUFReader | str | os.PathLike) -> GGUFVocab:
-    """The vocabulary metadata of a GGUF file (a path or an open `gguf.GGUFReader`)."""
-    reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(source)
+    """The vocabulary metadata of a GGUF file (a path or an open `gguf.GGUFReader`); a missing key or a value of
+    the wrong kind raises ModelFormatError naming the file and key."""
+    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+    path = str(getattr(reader.data, "filename", None) or source)
 
-    def value(key: str, default=None):
+    def value(key: str, kind: type | tuple[type, ...], default=None, items: type | None = None):
         field = reader.fields.get(key)
-        return default if field is None else field.contents()
+        if field is None:
+            return default
+        try:
+            got = field.contents()
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ModelFormatError(f"{path}: metadata '{key}' cannot be read ({exc})") from None
+        if isinstance(got, bool) and kind is int or not isinstance(got, kind):
+            raise ModelFormatError(f"{path}: metadata '{key}' is a {type(got).__name__}, expected {kind}")
+        if items is not None and not all(isinstance(x, items) and not isinstance(x, bool) for x in got):
+            raise ModelFormatError(f"{path}: metadata '{key}' holds items that are not {items.__name__}")
+        return got
 
-    model = value("tokenizer.ggml.model")
+    model = value("tokenizer.ggml.model", str)
     if model != "gpt2":
-        raise ValueError(f"only byte-level BPE vocabularies (tokenizer.ggml.model = gpt2) are supported, not {model!r}")
-    tokens = tuple(value("tokenizer.ggml.tokens"))
+        raise ModelFormatError(f"{path}: only byte-level BPE vocabularies (tokenizer.ggml.model = gpt2) are "
+                               f"supported, not {model!r}")
+    tokens = tuple(value("tokenizer.ggml.tokens", list, [], items=str))
+    if not tokens:
+        raise ModelFormatError(f"{path}: metadata 'tokenizer.ggml.tokens' is missing or empty")
+    token_types = tuple(value("tokenizer.ggml.token_type", list, [NORMAL] * len(tokens), items=int))
+    if len(token_types) != len(tokens):
+        raise ModelFormatError(f"{path}: 'tokenizer.ggml.token_type' has {len(token_types)} entries for "
+                               f"{len(tokens)} tokens")
+    ids = {}
+    for name, key in (("bos_id", "bos_token_id"), ("eos_id", "eos_token_id"), ("pad_id", "padding_token_id")):
+        token_id = value(f"tokenizer.ggml.{key}", int)
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise ModelFormatError(f"{path}: 'tokenizer.ggml.{key}' {token_id} is outside the {len(tokens)} tokens")
+        ids[name] = token_id
     return GGUFVocab(
         tokens=tokens,
-        merges=tuple(value("tokenizer.ggml.merges", [])),
-        token_types=tuple(int(t) for t in value("tokenizer.ggml.token_type", [NORMAL] * len(tokens))),
-        pre=value("tokenizer.ggml.pre", "default"),
-        bos_id=value("tokenizer.ggml.bos_token_id"),
-        eos_id=value("tokenizer.ggml.eos_token_id"),
-        pad_id=value("tokenizer.ggml.padding_token_id"),
-        add_bos=bool(value("tokenizer.ggml.add_bos_token", False)),
-        chat_template=value("tokenizer.chat_template"),
+        merges=tuple(value("tokenizer.ggml.merges", list, [], items=str)),
+        token_types=token_types,
+        pre=value("tokenizer.ggml.pre", str, "default"),
+        add_bos=bool(value("tokenizer.ggml.add_bos_token", (bool, int), False)),
+        chat_template=value("tokenizer.chat_template", str),
+        **ids,
     )
 
 
@@ -225,7 +251,9 @@ class TextTokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text become their ids. BOS as the GGUF says (Qwen: no)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not), so a long prompt tokenized in a worker
+        # thread leaves the event loop running
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         add_bos = self.vocab.add_bos if add_bos is None else add_bos
         return [self.vocab.bos_id, *ids] if add_bos and self.vocab.bos_id is not None else ids
 
@@ -254,8 +282,13 @@ def load_tokenizer(source: gguf.GGUFReader | str | os.PathLike) -> TextTokenizer
     eog = {token_id for token_id, token in enumerate(vocab.tokens) if token in EOG_TEXTS}
     if vocab.eos_id is not None:
         eog.add(vocab.eos_id)
+    try:
+        backend = build_tokenizer(vocab)
+    except Exception as exc:  # `tokenizers` raises plain Exceptions for inconsistent vocabularies
+        name = getattr(getattr(source, "data", None), "filename", None) or source
+        raise ModelFormatError(f"{name}: the vocabulary does not make a tokenizer ({exc})") from None
     return TextTokenizer(
-        backend=build_tokenizer(vocab),
+        backend=backend,
         vocab=vocab,
         eog_ids=frozenset(eog),
         special_ids=frozenset(i for i, kind in enumerate(types) if kind == CONTROL),

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field, replace
 
 from .memory import DraftCandidate, MemoryManager, pages_for
 from .stops import scan_stop_strings
-from .types import (Committed, Continued, Detokenizer, DoneEvent, DraftPlan, DraftStats, Event, FinishReason, Mode,
-                    Request, Row, SeqId, StepPlan, TokensEvent)
+from .types import (UNNAMED_DRAFTER, Committed, Continued, Detokenizer, DoneEvent, DraftPlan, DraftStats, Event,
+                    FinishReason, Mode, Request, Row, SeqId, StepPlan, TokensEvent)
 
 PLANES_PER_SEQUENCE = 2
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence without a draft plan (see `schedule`)
@@ -294,7 +294,7 @@ class Scheduler:
             step = replace(row, fed=fed, start=len(seq.tokens) - 1, read_plane=seq.live_plane,
                            draft_max=n_drafts, mode="snapshot" if len(row.write_pool) > 1 else row.mode,
                            write_pool=pool, drafts=tuple(iteration.drafts),
-                           drafter=row.drafter if n_drafts else None)  # fmt: skip
+                           drafter=(row.drafter or UNNAMED_DRAFTER) if n_drafts else None)  # fmt: skip
             self._roll(seq, step, iteration.committed.n_accepted, trim=False)
             events += self._commit(seq, iteration.committed, step)
         if seq.request.seq_id in self._seqs:
@@ -314,12 +314,23 @@ class Scheduler:
             if want > 0 and spare > 0:
                 seq.pages += self.memory.take_pages(min(want, spare))
 
-    def fail(self, plan: StepPlan) -> list[Event]:
-        """The step could not run: every sequence in it ends with done(error) (cancelled if it was aborted)."""
+    def fail(self, plan: StepPlan, error: str = "the step failed") -> list[Event]:
+        """The step could not run: every sequence in it ends with done(error) (cancelled if it was aborted).
+
+        Also valid after `update` raised part way: sequences it already finished are gone and give no event."""
         self._check_in_flight(plan)
         self._in_flight = None
-        return [self._finish(self._seqs[r.seq_id], "cancelled" if self._seqs[r.seq_id].abort_requested else "error")
-                for r in plan.rows]
+        events: list[Event] = []
+        for row in plan.rows:
+            seq = self._seqs.get(row.seq_id)
+            if seq is not None:
+                events.append(self._finish(seq, "cancelled" if seq.abort_requested else "error", error))
+        return events
+
+    def fail_all(self, error: str) -> list[Event]:
+        """Every live sequence ends with done(error): for a failure no step in flight accounts for."""
+        self._in_flight = None
+        return [self._finish(seq, "error", error) for seq in list(self._seqs.values())]
 
     # ---- internals -----------------------------------------------------------------------------------------
 
@@ -441,7 +452,7 @@ class Scheduler:
         seq.preemptions += 1
         self._waiting.appendleft(seq)
 
-    def _finish(self, seq: _Sequence, reason: FinishReason) -> DoneEvent:
+    def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> DoneEvent:
         self._release(seq)
         if seq.running:
             self._running.remove(seq)
@@ -452,4 +463,4 @@ class Scheduler:
             seq_id=seq.request.seq_id, finish_reason=reason, prompt_tokens=len(seq.request.prompt),
             completion_tokens=seq.n_generated,
             drafters={name: DraftStats(d, a) for name, (d, a) in seq.draft_stats.items()},
-            rollback_steps=dict(seq.rollback_steps), preemptions=seq.preemptions)
+            rollback_steps=dict(seq.rollback_steps), preemptions=seq.preemptions, error=error)

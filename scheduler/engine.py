@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import time
+import traceback
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,8 +32,7 @@ from .core import Scheduler
 from .memory import MemoryManager, pages_for, pool_sizes
 from .types import Committed, Continued, DoneEvent, DraftPlan, Event, Request, Row, SeqId, StepPlan, TokensEvent
 
-
-log = logging.getLogger("gdnspec")
+log = logging.getLogger("gdnspec.engine")
 
 
 @dataclass(frozen=True)
@@ -320,8 +320,55 @@ class Engine:
 
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():
-            drafter.release(seq_id)
+            try:
+                drafter.release(seq_id)
+            except Exception:  # a faulty drafter must not keep the others from releasing
+                log.exception("drafter %r failed to release sequence %s", drafter.name, seq_id)
         self.policy.release(seq_id)
+
+    # ------------------------------------------------------------------------------------------------ faults
+
+    def guarded_step(self, quiet: bool = True) -> list[Event]:
+        """`step`, except that an exception fails only the requests of the step that raised it (done with
+        finish_reason "error", their pages, planes and drafter state released) and the engine serves on."""
+        try:
+            return self.step(quiet)
+        except Exception as exc:
+            return self.fail_step(exc)
+
+    def fail_step(self, exc: Exception) -> list[Event]:
+        """End the requests of the step in flight (every live request when none is) with done(error)."""
+        plan = self.scheduler.in_flight
+        message = f"internal error in {self._culprit(exc)} ({type(exc).__name__})"
+        log.error("step %s failed: %s", plan.step if plan else "?", message,
+                  exc_info=(type(exc), exc, exc.__traceback__))  # fmt: skip
+        if plan is None:
+            events = self.scheduler.fail_all(message)
+        else:
+            events = self.scheduler.fail(plan, message)
+            # Sequences the failed update had already finished lost their done event with it.
+            ended = {event.seq_id for event in events}
+            events += [DoneEvent(row.seq_id, "error", 0, 0, error=message) for row in plan.rows
+                       if row.seq_id not in ended and row.seq_id not in self.scheduler]  # fmt: skip
+        for event in events:
+            self._release(event.seq_id)
+        return events
+
+    def _culprit(self, exc: Exception) -> str:
+        """What raised `exc` in a step, in words: a drafter by name, the model step, the detokenizer, or the
+        innermost function."""
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        for outer, inner in zip(frames, frames[1:]):
+            owner = inner.f_locals.get("self")
+            if owner is self.runtime:
+                return "the model step"
+            if any(owner is drafter for drafter in self.drafters.values()):
+                return f"drafter {owner.name!r}"
+            seq = outer.f_locals.get("seq")
+            if outer.f_code.co_name == "_commit" and owner is getattr(seq, "detokenizer", None):
+                return "the detokenizer"
+        code = frames[-1].f_code if frames else None
+        return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}" if code else "the engine"
 
     # ------------------------------------------------------------------------------------------------ async edge
 
@@ -351,13 +398,18 @@ class Engine:
             if not self.scheduler.has_work and uncompiled is not None:
                 # Idle: compile the next shape. A request arriving meanwhile waits for this one shape only; the
                 # shapes its own steps need compile on first use.
-                if await anyio.to_thread.run_sync(next, uncompiled, None, abandon_on_cancel=True) is not None:
-                    n_compiled += 1
-                else:
+                finished = True
+                try:
+                    if await anyio.to_thread.run_sync(next, uncompiled, None, abandon_on_cancel=True) is not None:
+                        n_compiled, finished = n_compiled + 1, False
+                    else:
+                        await anyio.to_thread.run_sync(self._calibrate)
+                        log.info("warm-up: %d step shapes compiled in the background in %.1f s", n_compiled,
+                                 time.perf_counter() - start)
+                except Exception:  # the engine serves on; steps compile what they need on first use
+                    log.exception("background warm-up stopped after %d step shapes", n_compiled)
+                if finished:
                     uncompiled = None
-                    await anyio.to_thread.run_sync(self._calibrate)
-                    log.info("warm-up: %d step shapes compiled in the background in %.1f s", n_compiled,
-                             time.perf_counter() - start)
                     self.warmed.set()
             elif not self.scheduler.has_work:
                 self._apply(await self._inbox.receive())  # sleep until a request arrives
@@ -369,7 +421,7 @@ class Engine:
             if not self.scheduler.has_work:
                 continue
             quiet = self._inbox.statistics().current_buffer_used == 0
-            events = await anyio.to_thread.run_sync(self.step, quiet)
+            events = await anyio.to_thread.run_sync(self.guarded_step, quiet)
             for event in events:
                 stream = self._outputs.get(event.seq_id)
                 if stream is not None:
@@ -381,7 +433,13 @@ class Engine:
     def _apply(self, message) -> None:
         kind, payload = message
         if kind == "add":
-            self.scheduler.add(payload)
+            try:
+                self.scheduler.add(payload)
+            except ValueError as exc:
+                stream = self._outputs.pop(payload.seq_id, None)
+                if stream is not None:
+                    stream.send_nowait(DoneEvent(payload.seq_id, "error", len(payload.prompt), 0, error=str(exc)))
+                    stream.close()
         else:
             for event in self.scheduler.abort(payload):
                 stream = self._outputs.pop(event.seq_id, None)

@@ -227,6 +227,7 @@ class DoneEvent:
 
     completion_tokens counts every generated token, a final stop token included (which is not emitted).
     rollback_steps counts verify steps (steps that fed at least one draft) per rollback mode.
+    error: with finish_reason "error", what failed (for the client and the log).
     """
 
     seq_id: SeqId
@@ -236,6 +237,7 @@ class DoneEvent:
     drafters: Mapping[str, DraftStats] = field(default_factory=dict)
     rollback_steps: Mapping[str, int] = field(default_factory=dict)
     preemptions: int = 0
+    error: str | None = None
 
 
 Event = TokensEvent | DoneEvent

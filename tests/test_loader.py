@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import re
+import struct
+import tracemalloc
+from datetime import timedelta
+
 import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from conftest import DATA, fixture
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
@@ -12,13 +20,15 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 from jaxmodel import Model, ModelFormatError, load_model
 from jaxmodel.gguf_io import read_gguf, write_gguf
 from jaxmodel.random_model import PRESETS, random_weights
+from jaxmodel.tokenizer import load_tokenizer
 
 TINY = DATA / "tiny-qwen35-mtp.gguf"
 
 
-def rewrite(src, dst, *, arch=None, drop=(), tensors=None, add=None):
+def rewrite(src, dst, *, arch=None, drop=(), tensors=None, add=None, values=None):
     """Copy a GGUF, optionally renaming the architecture, dropping tensors, replacing tensors with
-    (array, qtype) pairs (qtype None for plain numpy arrays), or adding plain tensors."""
+    (array, qtype) pairs (qtype None for plain numpy arrays), adding plain tensors, or replacing metadata values
+    (of the same type)."""
     reader = GGUFReader(src)
     old_arch = reader.fields["general.architecture"].contents()
     new_arch = arch or old_arch
@@ -27,7 +37,8 @@ def rewrite(src, dst, *, arch=None, drop=(), tensors=None, add=None):
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         sub = field.types[1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(key.replace(old_arch + ".", new_arch + ".", 1), field.contents(), field.types[0], sub)
+        value = (values or {}).get(key, field.contents())
+        writer.add_key_value(key.replace(old_arch + ".", new_arch + ".", 1), value, field.types[0], sub)
     tensors = tensors or {}
     for t in reader.tensors:
         if t.name in drop:
@@ -199,3 +210,113 @@ def test_random_model_files_carry_the_tokenizer_keys_llama_cpp_requires(tmp_path
     tokenizer = load_tokenizer(path)
     assert tokenizer.decode(tokenizer.encode("x = 100")) == "x = 100"
     assert len(tokenizer.encode("00")) == 2
+
+
+# ---- hostile files: refused quickly, without allocating what they claim ----------------------------------------
+
+
+def gguf_header(*fields: bytes, n_tensors: int = 0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, len(fields)) + b"".join(fields)
+
+
+def gguf_tensors(entry: bytes) -> bytes:
+    """A header with no metadata and one tensor entry (`entry` follows the name's length, 1)."""
+    return b"GGUF" + struct.pack("<IQQQ", 3, 1, 0, 1) + entry
+
+
+def kv(key: bytes, kind: int, payload: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key + struct.pack("<I", kind) + payload
+
+
+@pytest.mark.parametrize("name, data, message", [
+    ("array-past-end", gguf_header(kv(b"a", 9, struct.pack("<IQ", 8, 2**40))),
+     r"metadata 'a' \(1099511627776 items\) needs 8796093022208 bytes"),
+    ("u8-array-past-end", gguf_header(kv(b"a", 9, struct.pack("<IQ", 0, 2**63))), r"metadata 'a' \(\d+ items\)"),
+    ("string-past-end", gguf_header(kv(b"general.name", 8, struct.pack("<Q", 2**62))), r"metadata 'general\.name'"),
+    ("key-past-end", gguf_header(struct.pack("<Q", 2**50) + b"\0" * 16), r"the name of metadata key 0 needs"),
+    ("many-keys", b"GGUF" + struct.pack("<IQQ", 3, 0, 2**60), r"\d+ metadata keys needs"),
+    ("many-tensors", b"GGUF" + struct.pack("<IQQ", 3, 2**60, 0), r"\d+ tensor entries needs"),
+    ("nested-arrays", gguf_header(kv(b"a", 9, struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 9, 1) * 8)),
+     r"nests arrays deeper than"),
+    ("unknown-value-type", gguf_header(kv(b"a", 77, b"\0" * 16)), r"unknown value type 77"),
+    ("bad-alignment", gguf_header(kv(b"general.alignment", 4, struct.pack("<I", 3))), r"not a power of two"),
+    ("tensor-past-end", gguf_tensors(b"t" + struct.pack("<IQQIQ", 2, 2**20, 2**20, 0, 0)),
+     r"truncated: tensor 't' needs bytes up to"),
+    ("five-dims", gguf_tensors(b"t" + struct.pack("<I", 5) + b"\0" * 52), r"tensor 't' has 5 dimensions"),
+    ("short", b"GGUF\3\0\0\0", r"not a readable GGUF file"),
+])  # fmt: skip
+def test_hostile_headers_are_refused_before_allocating(tmp_path, name, data, message):
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(data)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFormatError, match=re.escape(str(path)) + ": .*" + message):
+            read_gguf(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    with pytest.raises(ModelFormatError):
+        load_tokenizer(path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen35.attention.head_count", 0, r"'qwen35\.attention\.head_count' is 0; it must be at least 1"),
+    ("qwen35.attention.head_count_kv", 0, r"'qwen35\.attention\.head_count_kv' is 0"),
+    ("qwen35.ssm.group_count", 0, r"'qwen35\.ssm\.group_count' is 0"),
+    ("qwen35.block_count", 1, r"'qwen35\.block_count' 1 leaves no layer"),
+])
+def test_zero_counts_are_named(tmp_path, key, value, message):
+    path = rewrite(TINY, tmp_path / "zero.gguf", values={key: value})
+    with pytest.raises(ModelFormatError, match=r"zero\.gguf: " + message):
+        read_gguf(path)
+
+
+SMALL = DATA / "tiny-qwen35-f16.gguf"
+
+
+@functools.cache
+def small_layout() -> tuple[bytes, int]:
+    return SMALL.read_bytes(), GGUFReader(SMALL).data_offset
+
+
+@st.composite
+def mutations(draw):
+    data, header_end = small_layout()
+    edits = []
+    for _ in range(draw(st.integers(1, 6))):
+        offset = draw(st.one_of(st.integers(0, header_end + 64), st.integers(0, len(data) - 1)))
+        if draw(st.booleans()):
+            edits.append((offset, bytes([draw(st.integers(0, 255))])))
+        else:  # a length, count or offset field set to an extreme
+            value = draw(st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1, len(data), header_end]))
+            edits.append((offset, struct.pack("<Q", value)))
+    cut = draw(st.one_of(st.none(), st.integers(0, len(data))))
+    return edits, cut
+
+
+@settings(max_examples=100, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow],
+          derandomize=True)  # fmt: skip
+@given(mutation=mutations())
+def test_mutated_files_load_or_raise_model_format_error(tmp_path_factory, mutation):
+    """Bytes of a real GGUF changed (header fields, lengths set to extremes, data, truncation): the loader and
+    tokenizer either load it or raise ModelFormatError, quickly and within a small memory bound."""
+    data, _ = small_layout()
+    edits, cut = mutation
+    mutated = bytearray(data)
+    for offset, patch in edits:
+        mutated[offset:offset + len(patch)] = patch[: len(mutated) - offset]
+    path = tmp_path_factory.mktemp("fuzz") / "mutated.gguf"
+    path.write_bytes(bytes(mutated[:cut]))
+    tracemalloc.start()
+    try:
+        try:
+            cfg, weights, _ = read_gguf(path)
+            assert weights.embed.shape == (cfg.n_vocab, cfg.n_embd)
+            load_tokenizer(path)
+        except ModelFormatError:
+            pass
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak

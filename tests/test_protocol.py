@@ -24,7 +24,8 @@ from api.client import Client, ClientError, ConnectionLost, ProtocolViolation, R
 from api.protocol import (
     ERROR_CODES, Cancel, ChatMessage, ClientMessage, Connection, Defaults, DrafterStats, Done, Error, Generate,
     GenerateRequest, Limits, RollbackSteps, ServerMessage, ServerSettings, SpecStats, Speculative,
-    SpeculativePolicy, Timings, Tokens, Usage, check_prompt_tokens, resolve_generate, schema_json,
+    SpeculativePolicy, Stats, StatsRequest, Timings, Tokens, Usage, check_prompt_tokens, resolve_generate,
+    schema_json,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,8 +243,8 @@ def test_schema_entry_point_prints_the_schema():
                          text=True, check=True).stdout
     assert out == schema_json()
     doc = json.loads(out)
-    assert set(doc["$defs"]["ClientMessage"]["discriminator"]["mapping"]) == {"generate", "cancel"}
-    assert set(doc["$defs"]["ServerMessage"]["discriminator"]["mapping"]) == {"tokens", "done", "error"}
+    assert set(doc["$defs"]["ClientMessage"]["discriminator"]["mapping"]) == {"generate", "cancel", "stats"}
+    assert set(doc["$defs"]["ServerMessage"]["discriminator"]["mapping"]) == {"tokens", "done", "error", "stats"}
     assert set(doc["$defs"]["Error"]["properties"]["code"]["enum"]) == set(ERROR_CODES)
 
 
@@ -262,7 +263,7 @@ def test_every_json_example_in_the_protocol_doc_is_a_valid_message():
                 pass
         assert len(decoded) == 1, example
         types.add(type(decoded[0]))
-    assert types == {Generate, Cancel, Tokens, Done, Error}
+    assert types == {Generate, Cancel, StatsRequest, Tokens, Done, Error, Stats}
 
 
 # ------------------------------------------------------------------------------------------------ chat

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from scheduler.core import Scheduler
 from scheduler.memory import MemoryManager, PoolSizes, pages_for
 from scheduler.stops import scan_stop_strings
-from scheduler.types import Committed, DoneEvent, DraftPlan, Request, StepPlan, TokensEvent
+from scheduler.types import (UNNAMED_DRAFTER, Committed, Continued, DoneEvent, DraftPlan, DraftStats, Request, StepPlan,
+                             TokensEvent)
 
 V = 32
 EOS = 0
@@ -478,6 +479,54 @@ def test_fail_ends_the_step_with_errors():
     assert done.finish_reason == "error"
     assert (sched.memory.free_pages, sched.memory.free_planes) == (sched.memory.usable_pages,
                                                                    sched.memory.usable_planes)
+
+
+
+def test_fail_after_a_partial_update_and_fail_all():
+    """`fail` after an update raised part way skips the sequences that update already finished; `fail_all` ends
+    every live sequence (a failure no step accounts for). Both return every page and plane."""
+
+    class Raising:
+        def add(self, token_id):
+            raise RuntimeError("detokenizer")
+
+        def flush(self):
+            return ""
+
+    detokenizers = iter([TableDetokenizer(), Raising()])
+    mem = MemoryManager(PoolSizes(n_pages=64, n_planes=40, page_size=4))
+    sched = Scheduler(mem, lambda: next(detokenizers), max_model_len=40, token_budget=48, max_running=8)
+    sched.add(Request("a", (1, 2), max_tokens=1))
+    sched.add(Request("b", (3, 4), max_tokens=4))
+    plan = sched.schedule()
+    with pytest.raises(RuntimeError):
+        sched.update(plan, verify_greedy(plan, FakeModel(4).run(plan, {})))
+    [done_b] = sched.fail(plan, "the detokenizer failed")  # "a" finished (max_tokens 1) before "b" raised
+    assert (done_b.seq_id, done_b.finish_reason, done_b.error) == ("b", "error", "the detokenizer failed")
+    assert sched.in_flight is None and not sched.has_work
+    sched = make_scheduler()
+    sched.add(Request("c", (1, 2), max_tokens=4))
+    sched.schedule()
+    sched.add(Request("d", (3, 4), max_tokens=4))
+    assert [(e.seq_id, e.finish_reason) for e in sched.fail_all("boom")] == [("c", "error"), ("d", "error")]
+    assert (sched.memory.free_pages, sched.memory.free_planes) == (sched.memory.usable_pages,
+                                                                   sched.memory.usable_planes)
+    assert sched.schedule().rows == ()
+
+
+
+def test_later_iterations_drafting_on_device_are_counted_under_a_name():
+    """A row that carried no draft may run later iterations with the device's drafts: their statistics need a
+    string name (a None key cannot be sent in a done frame)."""
+    sched = make_scheduler()
+    sched.add(Request("a", (1, 2), max_tokens=5, n_max=2, rollback="snapshot"))
+    sched.update(sched.schedule(), {"a": Committed((5,), 0)})  # the prompt
+    plan = sched.schedule()
+    [row] = plan.rows
+    assert row.mode == "snapshot" and row.draft_max == 2 and row.drafter is None
+    events = sched.update(plan, {"a": Committed((6,), 0)}, {"a": [Continued((7, 8), Committed((7, 8, 9), 2))]})
+    done = events[-1]
+    assert done.finish_reason == "length" and dict(done.drafters) == {UNNAMED_DRAFTER: DraftStats(2, 2)}
 
 
 # ---- stops -------------------------------------------------------------------------------------------------
