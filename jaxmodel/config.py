@@ -1,4 +1,4 @@
-"""ModelConfig: the static shape of a qwen35 / qwen35moe model, read from GGUF metadata (SPEC-qwen35 §1, §9)."""
+"""ModelConfig: the static shape of a qwen35 / qwen35moe / qwen3next model, read from GGUF metadata."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SUPPORTED_ARCHS = ("qwen35", "qwen35moe")
+SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+MOE_ARCHS = ("qwen35moe", "qwen3next")
 
 
 class ModelFormatError(ValueError):
@@ -26,7 +27,7 @@ class ModelConfig:
     head_dim: int  # D
     rope_dim: int  # R, rotated dims per head
     rope_theta: float
-    rope_sections: tuple[int, int, int, int]
+    rope_sections: tuple[int, int, int, int] | None  # imrope sections; None: plain NEOX rope (qwen3next)
     norm_eps: float
     conv_kernel: int  # Kc
     ssm_state: int  # Dk (= Dv)
@@ -35,7 +36,7 @@ class ModelConfig:
     recurrent: tuple[bool, ...]  # per trunk layer: GDN (True) or full attention (False)
     context_length: int
     n_ff: int = 0  # dense SwiGLU width (qwen35)
-    n_expert: int = 0  # qwen35moe
+    n_expert: int = 0  # qwen35moe, qwen3next
     n_expert_used: int = 0
     n_ff_expert: int = 0
     n_ff_shared: int = 0
@@ -43,6 +44,12 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    @property
+    def grouped_value_heads(self) -> bool:
+        """qwen3next files keep GDN value heads grouped by key head (head g*r+i uses key head g); qwen35 files
+        store them tiled (head h uses key head h % Hk). The loader permutes grouped heads to tiled order."""
+        return self.arch == "qwen3next"
 
     @property
     def conv_channels(self) -> int:  # C = 2 Hk Dk + Hv Dv
@@ -62,9 +69,11 @@ class ModelConfig:
     def rope_position_mask(self) -> np.ndarray:
         """[R/2] float32: 1 for frequency slots rotated by the text position, 0 for slots imrope leaves at 0.
 
-        For text tokens imrope's t/h/w streams all carry the position and the `e` stream carries 0
-        (SPEC §4.4); slot i belongs to sector s = i mod sum(sections).
+        For text tokens imrope's t/h/w streams all carry the position and the `e` stream carries 0;
+        slot i belongs to sector s = i mod sum(sections). Plain NEOX rope rotates every slot.
         """
+        if self.rope_sections is None:
+            return np.ones(self.rope_dim // 2, np.float32)
         sect = self.rope_sections
         total = sum(sect)
         mask = np.zeros(self.rope_dim // 2, np.float32)
@@ -112,10 +121,13 @@ def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
     value_dim = int(get("attention.value_length", head_dim))
     if value_dim != head_dim:
         raise ModelFormatError(f"{path}: attention key_length {head_dim} != value_length {value_dim}")
-    sections = get("rope.dimension_sections", required=True)
-    sections = [sections] * 4 if isinstance(sections, int) else list(sections)
-    if len(sections) != 4:
-        raise ModelFormatError(f"{path}: rope.dimension_sections must have 4 entries, got {sections}")
+    if arch == "qwen3next":
+        sections = None  # NEOX rope over the first R dims; a sections key, if any, is not used
+    else:
+        sections = get("rope.dimension_sections", required=True)
+        sections = [sections] * 4 if isinstance(sections, int) else list(sections)
+        if len(sections) != 4:
+            raise ModelFormatError(f"{path}: rope.dimension_sections must have 4 entries, got {sections}")
     ssm_heads = int(get("ssm.time_step_rank", required=True))
     ssm_state = int(get("ssm.state_size", required=True))
     inner = int(get("ssm.inner_size", required=True))
@@ -139,8 +151,10 @@ def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
     n_expert = int(get("expert_count", 0))
     n_expert_used = int(get("expert_used_count", 0))
     n_ff = int(_scalar(get("feed_forward_length", 0), "feed_forward_length", path))
-    if arch == "qwen35moe" and n_expert == 0:
-        raise ModelFormatError(f"{path}: qwen35moe needs '{arch}.expert_count' > 0")
+    if arch in MOE_ARCHS and n_expert == 0:
+        raise ModelFormatError(f"{path}: {arch} needs '{arch}.expert_count' > 0")
+    if n_expert and not 0 < n_expert_used <= n_expert:
+        raise ModelFormatError(f"{path}: '{arch}.expert_used_count' is {n_expert_used}, expected 1..{n_expert}")
     cfg = ModelConfig(
         arch=arch,
         n_vocab=n_vocab,
@@ -152,7 +166,7 @@ def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
         head_dim=head_dim,
         rope_dim=int(get("rope.dimension_count", head_dim)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_sections=tuple(int(s) for s in sections),
+        rope_sections=None if sections is None else tuple(int(s) for s in sections),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
         conv_kernel=int(get("ssm.conv_kernel", required=True)),
         ssm_state=ssm_state,
