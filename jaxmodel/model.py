@@ -16,7 +16,8 @@ import numpy as np
 from .config import ModelConfig
 from .gdn import gdn_mixer
 from .gguf_io import read_gguf, to_device
-from .layers import ffn, linear, paged_attention, rms_norm
+from .layers import linear, paged_attention, rms_norm
+from .moe import ffn
 from .state import ModelState, Row, StepBatch, StepOutput, bucket, init_state, pack_batch, scatter_planes
 from .weights import Layer, Mtp, Weights
 
