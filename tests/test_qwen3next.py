@@ -85,3 +85,18 @@ def _drop_key(src, dst, key):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+@pytest.mark.parametrize("preset", ["qwen3next-tiny", "qwen35moe-tiny"])
+def test_random_moe_presets_round_trip_through_their_files(tmp_path, preset):
+    from jaxmodel import Model
+    from jaxmodel.random_model import PRESETS, random_weights
+
+    cfg = PRESETS[preset]
+    weights = random_weights(cfg, seed=2)
+    path = tmp_path / f"{preset}.gguf"
+    write_gguf(path, cfg, weights)
+    loaded = load_model(path)
+    assert loaded.cfg.replace(norm_eps=cfg.norm_eps) == cfg  # the file stores eps as float32
+    tokens = list(range(5, 40, 3))
+    np.testing.assert_allclose(loaded.score(tokens)[0], Model(cfg, weights).score(tokens)[0], atol=1e-5, rtol=0)
