@@ -4,9 +4,11 @@
     y = sum_j w_j down_j(silu(gate_j x) * up_j x) + sigmoid(x . w_sh) down_s(silu(gate_s x) * up_s x)
 
 `moe_ffn_dense` evaluates every expert and zeroes the unselected ones: the reference. `moe_ffn` reads only the
-routed experts' weights: for steps with few tokens (decode, verify) it gathers each token's k experts by index;
-for longer steps it sorts the (token, expert) pairs by expert and runs a grouped matmul, one expert's weights per
-tile of rows, so each routed expert's weights are read once per step however many of its tokens there are.
+routed experts' weights: for steps of a few tokens (one decode row, a short verify) each token reads its k
+experts by index; for longer steps it sorts the (token, expert) pairs by expert and runs a grouped matmul, one
+expert's weights per tile of rows, so each routed expert's weights are read about once per step however many of
+its tokens there are. `jax.lax.ragged_dot` is the library's grouped matmul, but XLA's CPU backend lowers it to a
+product masked over every expert, dearer than the dense form (bench/moe.py), hence the tiles.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from .config import ModelConfig
 from .layers import as_matmul_input, dense_ffn, linear
 from .weights import DenseFfn, MoeFfn
 
-GROUP_TILE = 8  # rows per tile of the grouped matmul; each expert's rows are padded to a multiple of it
+GATHER_MAX_TOKENS = 4  # steps with at most this many tokens read each pair's expert on its own
+MAX_GROUP_TILE = 8  # most rows per tile of the grouped matmul; each expert's rows are padded to whole tiles
 
 
 def route(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -47,24 +50,30 @@ def moe_ffn_dense(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return routed + shared_expert(w, x)
 
 
-def routed_gathered(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array) -> jax.Array:
-    """Each token's k experts gathered by index: N*k expert weight reads. x [N, E], top_i/top_w [N, k] -> [N, E]."""
-    xg, xu = as_matmul_input(x, w.gate), as_matmul_input(x, w.up)
-    f32 = jnp.float32
-    hidden = jax.nn.silu(jnp.einsum("ne,nkef->nkf", xg, w.gate[top_i], preferred_element_type=f32)) * jnp.einsum(
-        "ne,nkef->nkf", xu, w.up[top_i], preferred_element_type=f32
-    )  # [N, k, Fe]
-    out = jnp.einsum("nkf,nkfe->nke", as_matmul_input(hidden, w.down), w.down[top_i], preferred_element_type=f32)
-    return jnp.einsum("nke,nk->ne", out, top_w)
-
-
 def _expert_swiglu(w: MoeFfn, expert: jax.Array, x: jax.Array) -> jax.Array:
-    """One expert on rows x [n, E] -> [n, E]."""
+    """One expert, its weights read by index, on rows x [n, E] -> [n, E]."""
     gate = linear(x, w.gate[expert])
     return linear(jax.nn.silu(gate) * linear(x, w.up[expert]), w.down[expert])
 
 
-def routed_grouped(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array, tile: int = GROUP_TILE) -> jax.Array:
+def routed_gathered(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array) -> jax.Array:
+    """Each (token, expert) pair reads its expert's weights by index: N*k expert reads, no copies (a gather of
+    the weights into [N, k, E, Fe] first measured 2 to 8 times slower on CPU). x [N, E], top_i/top_w [N, k] ->
+    [N, E]."""
+    N, k = top_i.shape
+    pairs = (jnp.repeat(x, k, axis=0), top_i.reshape(N * k))
+    ys = jax.lax.map(lambda pair: _expert_swiglu(w, pair[1], pair[0][None])[0], pairs)  # [N k, E]
+    return jnp.einsum("nke,nk->ne", ys.reshape(N, k, -1), top_w)
+
+
+def group_tile(n_pairs: int, n_expert: int) -> int:
+    """Rows per tile: about twice the expected pairs per used expert (a power of two, 1 to MAX_GROUP_TILE), so
+    that padding stays below half of the rows while tiles stay few."""
+    per_expert = 2 * n_pairs // min(n_expert, n_pairs)
+    return min(MAX_GROUP_TILE, 1 << max(per_expert.bit_length() - 1, 0))
+
+
+def routed_grouped(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array, tile: int | None = None) -> jax.Array:
     """Grouped matmul over (token, expert) pairs sorted by expert. x [N, E], top_i/top_w [N, k] -> [N, E].
 
     Each expert's pairs are padded to whole tiles, so every tile has one expert; tiles past the last used one are
@@ -73,6 +82,7 @@ def routed_grouped(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array, 
     N, E = x.shape
     k, X = top_i.shape[1], w.gate.shape[0]
     A = N * k
+    tile = tile or group_tile(A, X)
     expert = top_i.reshape(A)
     order = jnp.argsort(expert, stable=True)  # [A] pairs sorted by expert
     sorted_expert = expert[order]
@@ -103,8 +113,7 @@ def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     n_tokens = math.prod(lead)
     flat = x.reshape(n_tokens, E)
     top_i, top_w = route(w, cfg, flat)
-    # Gathering copies N*k expert matrices; the grouped form reads each used expert once but pays tile padding.
-    if n_tokens * cfg.n_expert_used <= cfg.n_expert:
+    if n_tokens <= GATHER_MAX_TOKENS:
         routed = routed_gathered(w, flat, top_i, top_w)
     else:
         routed = routed_grouped(w, flat, top_i, top_w)

@@ -43,7 +43,7 @@ def test_gathered_and_grouped_experts_equal_the_dense_reference(n_expert, n_used
     top_i, top_w = route(w, cfg, x)
     expected = moe_ffn_dense(w, cfg, x) - shared_expert(w, x)
     np.testing.assert_allclose(routed_gathered(w, x, top_i, top_w), expected, atol=2e-5, rtol=1e-5)
-    for tile in (3, 8):
+    for tile in (None, 3):
         got = jax.jit(functools.partial(routed_grouped, tile=tile))(w, x, top_i, top_w)
         np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5, err_msg=f"tile {tile}")
 
