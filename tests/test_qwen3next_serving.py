@@ -40,10 +40,13 @@ def draft():
 
 
 @pytest.fixture(scope="module")
-def prompts():
+def prompts(target):
     rng = np.random.default_rng(3)
-    out = [tuple(int(t) for t in rng.integers(0, 509, n)) for n in (4, 11, 19, 7)]
-    return out + [tuple([40, 41, 42, 43] * 5), tuple([300, 7, 300, 8] * 4)]  # n-gram material
+    random = [tuple(int(t) for t in rng.integers(0, 509, n)) for n in (4, 11, 19, 7)]
+    # n-gram material: A, A's greedy continuation, A again; for these A the target then repeats that
+    # continuation, so the n-gram drafter finds matches (a random model's output rarely repeats otherwise).
+    repeating = [a + tuple(plain_greedy(target, a, 6)) + a for a in ((40, 152, 244, 215), (37, 475, 270, 182))]
+    return [repeating[0], random[0], repeating[1], *random[1:]]  # the n-gram jobs (2 and 6) get the repeats
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +55,17 @@ def references(target, prompts):
 
 
 # Both tests' engines have the same shapes and pools, so the second reuses the first one's compiled steps.
-ENGINE = dict(budget_bytes=400_000, max_running=4, max_model_len=48, chunk_size=16, n_max=3, adaptive=False)
+ENGINE = dict(budget_bytes=700_000, max_running=4, max_model_len=48, chunk_size=16, n_max=3, adaptive=False)
 
 
 def test_engine_is_lossless_for_every_drafter_and_rollback_mode(target, draft, prompts, references):
-    """12 concurrent sequences (drafters MTP, n-gram, the draft model and none; snapshot, checkpoint and auto)
-    under a budget that forces checkpoints and queueing. The random MTP head's drafts are almost never right;
+    """8 concurrent sequences (drafters MTP, n-gram, the draft model and none; snapshot and checkpoint) under a
+    budget that queues them. The random MTP head's drafts are almost never right;
     the draft model's often are, so rollbacks after partial acceptance happen in both modes."""
     drafter_sets = [None, ("mtp",), ("ngram",), ("draft_model",)]
-    modes = ["snapshot", "checkpoint", "auto"]
+    modes = ["snapshot", "checkpoint"]
     jobs = []
-    for i in range(12):
+    for i in range(8):
         prompt = prompts[i % len(prompts)]
         drafters = drafter_sets[i % len(drafter_sets)]
         spec = SpeculativeConfig(drafters, n_max=3) if drafters else None
@@ -93,7 +96,7 @@ def test_engine_is_lossless_for_every_drafter_and_rollback_mode(target, draft, p
         for name, stats in done.drafters.items():
             drafted[name] = drafted.get(name, 0) + stats.drafted
             accepted[name] = accepted.get(name, 0) + stats.accepted
-    assert steps["snapshot"] > 0 and steps["checkpoint"] > 0
+    assert steps["snapshot"] > 0 and steps["checkpoint"] > 0, (steps, drafted)
     assert all(drafted.get(name, 0) > 0 for name in ("mtp", "ngram", "draft_model")), drafted
     assert 0 < accepted["draft_model"] < drafted["draft_model"], (accepted, drafted)
 
@@ -105,11 +108,10 @@ def test_server_streams_plain_greedy_for_every_drafter_and_mode(target, draft):
         limits=Limits(max_prompt_tokens=40, max_max_tokens=24, max_in_flight=16,
                       known_drafters=("ngram", "mtp", "draft_model"), vocab_size=target.cfg.n_vocab),
     )  # fmt: skip
-    prompts = ["def f(x):", "a b a b a b"]
+    prompts = ["a b a b a b"]
     expected = {p: plain_greedy(target, tokenizer.encode(p), MAX_TOKENS, tokenizer.eog_ids) for p in prompts}
     specs = [None] + [Speculative(drafters=list(d), n_max=3, rollback=mode)
                       for d in (["mtp"], ["ngram"], ["draft_model"]) for mode in ("snapshot", "checkpoint")]  # fmt: skip
-    # 14 requests on one connection, 4 running at a time
 
     async def main():
         engine = Engine(target, tokenizer=tokenizer, draft_model=draft, token_budget=48, **ENGINE)
