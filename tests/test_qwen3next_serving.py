@@ -54,14 +54,14 @@ def references(target, prompts):
     return {p: plain_greedy(target, p, MAX_TOKENS) for p in prompts}
 
 
-# Both tests' engines have the same shapes and pools, so the second reuses the first one's compiled steps.
+# Both tests' engines have the same shapes and pools, so the second can reuse the first one's compiled steps.
 ENGINE = dict(budget_bytes=700_000, max_running=4, max_model_len=48, chunk_size=16, n_max=3, adaptive=False)
 
 
 def test_engine_is_lossless_for_every_drafter_and_rollback_mode(target, draft, prompts, references):
-    """8 concurrent sequences (drafters MTP, n-gram, the draft model and none; snapshot and checkpoint) under a
-    budget that queues them. The random MTP head's drafts are almost never right;
-    the draft model's often are, so rollbacks after partial acceptance happen in both modes."""
+    """8 sequences, at most 4 running (drafters MTP, n-gram, the draft model and none; snapshot and checkpoint).
+    The random MTP head's drafts are almost never right; the draft model's often are, so rollbacks after partial
+    acceptance happen in both modes."""
     drafter_sets = [None, ("mtp",), ("ngram",), ("draft_model",)]
     modes = ["snapshot", "checkpoint"]
     jobs = []
