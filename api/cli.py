@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default: GDNSPEC_API_KEY)")
     p.set_defaults(func=_loadtest)
 
-    p = sub.add_parser("make-random", help="write a random-weight qwen35 GGUF with real layer shapes")
+    p = sub.add_parser("make-random", help="write a random-weight qwen35 / qwen35moe / qwen3next GGUF with real layer shapes")
     p.add_argument("--preset", choices=sorted(PRESETS), required=True)
     p.add_argument("--dtype", choices=["f32", "f16", "bf16", "q8_0"], default="f32")
     p.add_argument("--seed", type=int, default=0)

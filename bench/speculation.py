@@ -6,7 +6,12 @@ the plain run. Writes JSON.
     gdnspec bench speculation --max-model-len 8192 --streams 16 --out bench/results/speculation-8k.json
 
 Every cell is compiled before it is timed (the engine's warm-up), and each cell runs `--repeats` times; the
-median is reported with the spread.
+median is reported with the spread. `--rollback snapshot,checkpoint` runs every drafter set under each forced
+rollback mode; `--synthetic-alpha A` adds the `synthetic` drafter (the plain run's own tokens, each corrupted with
+probability 1 - A), for a known acceptance rate on models whose own drafters have none (random weights).
+
+    gdnspec bench speculation --model M.gguf --drafters "plain;mtp;synthetic" --synthetic-alpha 0.7 \
+        --rollback snapshot,checkpoint --streams 1,8
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import anyio
 import jax
 
 from drafters.policy import SpeculativeConfig
+from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS, Engine, GenerationRequest
@@ -34,14 +40,15 @@ DEFAULT_MODEL = os.path.join(ASSETS, "gdnspec-stdlib-target-q8_0.gguf")
 
 
 async def _stream(engine: Engine, request: GenerationRequest) -> dict:
-    tokens, drafted, accepted = [], 0, 0
+    tokens, drafted, accepted, rollback_steps = [], 0, 0, {}
     async for event in engine.generate(request):
         if isinstance(event, TokensEvent):
             tokens += event.token_ids
         elif isinstance(event, DoneEvent):
             drafted = sum(s.drafted for s in event.drafters.values())
             accepted = sum(s.accepted for s in event.drafters.values())
-    return {"tokens": tokens, "drafted": drafted, "accepted": accepted}
+            rollback_steps = dict(event.rollback_steps)
+    return {"tokens": tokens, "drafted": drafted, "accepted": accepted, "rollback_steps": rollback_steps}
 
 
 async def _run(engine: Engine, requests: list[GenerationRequest], streams: int) -> dict:
@@ -59,8 +66,13 @@ async def _run(engine: Engine, requests: list[GenerationRequest], streams: int) 
             tg.start_soon(one, i)
     wall = time.perf_counter() - start
     n = sum(len(r["tokens"]) for r in results)
+    steps = {}
+    for r in results:
+        for mode, count in r["rollback_steps"].items():
+            steps[mode] = steps.get(mode, 0) + count
     return {"tokens": [r["tokens"] for r in results], "wall_s": wall, "tokens_per_s": n / wall,
-            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results)}
+            "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results),
+            "rollback_steps": steps}
 
 
 def run(args) -> dict:
@@ -69,42 +81,53 @@ def run(args) -> dict:
     prompts = [tuple(tokenizer.encode(p)) for p in load_prompt_set(args.prompts)]
     streams = [int(s) for s in args.streams.split(",")]
     policies = [p for p in args.drafters.split(";")]
+    modes = args.rollback.split(",")
+    synthetic = None
+    if args.synthetic_alpha is not None:
+        synthetic = SyntheticDrafter([], alpha=args.synthetic_alpha, vocab=model.cfg.n_vocab, seed=0)
     out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
-           "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "cells": []}  # fmt: skip
+           "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha, "cells": []}  # fmt: skip
 
     async def main():
         engine = Engine(model, tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20),
                         max_running=max(streams), max_model_len=args.max_model_len, n_max=args.n_max,
                         adaptive=not args.fixed_policy, iterations=args.iterations,
-                        draft_vocab=args.draft_vocab)  # fmt: skip
+                        draft_vocab=args.draft_vocab, extra_drafters=[synthetic] if synthetic else [])  # fmt: skip
         start = time.perf_counter()
         shapes = engine.warmup()
         out["warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - start}
         async with engine:
             for n_streams in streams:
                 plain_tokens = None
-                for policy in policies:
+                for policy, mode in [(p, m) for p in policies for m in (modes if p != "plain" else ["auto"])]:
                     drafters = tuple(d for d in policy.split(",") if d and d != "plain")
                     spec = SpeculativeConfig(drafters, n_max=args.n_max) if drafters else None
-                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
+                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec, rollback=mode)
+                                for p in prompts]  # fmt: skip
                     if n_streams > len(requests):
                         requests = [requests[i % len(requests)] for i in range(n_streams)]
+                    if synthetic is not None and "synthetic" in drafters:
+                        if plain_tokens is None:
+                            raise SystemExit("the synthetic drafter needs the plain run first (--drafters 'plain;...')")
+                        synthetic.references = [list(r.prompt_ids) + list(t) for r, t in zip(requests, plain_tokens)]
                     runs = [await _run(engine, requests, n_streams) for _ in range(args.repeats)]
                     if plain_tokens is None and not drafters:
                         plain_tokens = runs[0]["tokens"]
                     if plain_tokens is not None and any(r["tokens"] != plain_tokens for r in runs):
                         raise AssertionError(f"{policy} at {n_streams} streams: output differs from plain")
                     rates = [r["tokens_per_s"] for r in runs]
-                    cell = {"streams": n_streams, "drafters": list(drafters) or ["plain"],
+                    cell = {"streams": n_streams, "drafters": list(drafters) or ["plain"], "rollback": mode,
                             "tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
                             "drafted": runs[-1]["drafted"], "accepted": runs[-1]["accepted"],
+                            "rollback_steps": runs[-1]["rollback_steps"],
                             "generated": sum(len(t) for t in runs[-1]["tokens"])}  # fmt: skip
                     out["cells"].append(cell)
-                    print(f"{n_streams:3d} streams {policy:12s}: {cell['tokens_per_s']:8.1f} tokens/s "
+                    print(f"{n_streams:3d} streams {policy:12s} {mode:10s}: {cell['tokens_per_s']:8.1f} tokens/s "
                           f"[{cell['min']:.1f}, {cell['max']:.1f}]  drafted {cell['drafted']}, accepted "
-                          f"{cell['accepted']} of {cell['generated']} tokens", flush=True)  # fmt: skip
+                          f"{cell['accepted']} of {cell['generated']} tokens, rollback steps "
+                          f"{cell['rollback_steps']}", flush=True)  # fmt: skip
         base = {c["streams"]: c["tokens_per_s"] for c in out["cells"] if c["drafters"] == ["plain"]}
         for cell in out["cells"]:
             if cell["streams"] in base:
@@ -132,6 +155,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB,
                         help="the MTP head drafts among token ids below this")
     parser.add_argument("--fixed-policy", action="store_true", help="draft n_max with the first drafter always")
+    parser.add_argument("--rollback", default="auto", help="rollback modes to force, comma-separated "
+                        "(auto, snapshot, checkpoint); each speculative drafter set runs under each")
+    parser.add_argument("--synthetic-alpha", type=float, default=None,
+                        help="add the `synthetic` drafter with this acceptance rate")
     args = parser.parse_args(argv)
     results = run(args)
     if args.out:

@@ -1,4 +1,4 @@
-"""ModelConfig: the static shape of a qwen35 / qwen35moe model, read from GGUF metadata (SPEC-qwen35 §1, §9)."""
+"""ModelConfig: the static shape of a qwen35 / qwen35moe / qwen3next model, read from GGUF metadata."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SUPPORTED_ARCHS = ("qwen35", "qwen35moe")
+SUPPORTED_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+MOE_ARCHS = ("qwen35moe", "qwen3next")
 
 
 class ModelFormatError(ValueError):
@@ -26,7 +27,7 @@ class ModelConfig:
     head_dim: int  # D
     rope_dim: int  # R, rotated dims per head
     rope_theta: float
-    rope_sections: tuple[int, int, int, int]
+    rope_sections: tuple[int, int, int, int] | None  # imrope sections; None: plain NEOX rope (qwen3next)
     norm_eps: float
     conv_kernel: int  # Kc
     ssm_state: int  # Dk (= Dv)
@@ -35,7 +36,7 @@ class ModelConfig:
     recurrent: tuple[bool, ...]  # per trunk layer: GDN (True) or full attention (False)
     context_length: int
     n_ff: int = 0  # dense SwiGLU width (qwen35)
-    n_expert: int = 0  # qwen35moe
+    n_expert: int = 0  # qwen35moe, qwen3next
     n_expert_used: int = 0
     n_ff_expert: int = 0
     n_ff_shared: int = 0
@@ -43,6 +44,12 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    @property
+    def grouped_value_heads(self) -> bool:
+        """qwen3next files keep GDN value heads grouped by key head (head g*r+i uses key head g); qwen35 files
+        store them tiled (head h uses key head h % Hk). The loader permutes grouped heads to tiled order."""
+        return self.arch == "qwen3next"
 
     @property
     def conv_channels(self) -> int:  # C = 2 Hk Dk + Hv Dv
@@ -62,9 +69,11 @@ class ModelConfig:
     def rope_position_mask(self) -> np.ndarray:
         """[R/2] float32: 1 for frequency slots rotated by the text position, 0 for slots imrope leaves at 0.
 
-        For text tokens imrope's t/h/w streams all carry the position and the `e` stream carries 0
-        (SPEC §4.4); slot i belongs to sector s = i mod sum(sections).
+        For text tokens imrope's t/h/w streams all carry the position and the `e` stream carries 0;
+        slot i belongs to sector s = i mod sum(sections). Plain NEOX rope rotates every slot.
         """
+        if self.rope_sections is None:
+            return np.ones(self.rope_dim // 2, np.float32)
         sect = self.rope_sections
         total = sum(sect)
         mask = np.zeros(self.rope_dim // 2, np.float32)
@@ -137,11 +146,14 @@ def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
     value_dim = count("attention.value_length", head_dim)
     if value_dim != head_dim:
         raise ModelFormatError(f"{path}: attention key_length {head_dim} != value_length {value_dim}")
-    sections = get("rope.dimension_sections", required=True)
-    sections = [sections] * 4 if isinstance(sections, int) else sections
-    if not isinstance(sections, list) or len(sections) != 4:
-        raise ModelFormatError(f"{path}: rope.dimension_sections must have 4 entries, got {sections!r}")
-    sections = [_count(x, f"{arch}.rope.dimension_sections", path, minimum=0) for x in sections]
+    if arch == "qwen3next":
+        sections = None  # NEOX rope over the first R dims; a sections key, if any, is not used
+    else:
+        sections = get("rope.dimension_sections", required=True)
+        sections = [sections] * 4 if isinstance(sections, int) else sections
+        if not isinstance(sections, list) or len(sections) != 4:
+            raise ModelFormatError(f"{path}: rope.dimension_sections must have 4 entries, got {sections!r}")
+        sections = [_count(x, f"{arch}.rope.dimension_sections", path, minimum=0) for x in sections]
     rope_dim = count("rope.dimension_count", head_dim)
     if rope_dim > head_dim:
         raise ModelFormatError(f"{path}: '{arch}.rope.dimension_count' {rope_dim} exceeds the head size {head_dim}")
@@ -169,12 +181,11 @@ def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if tokens is not None else 0
     n_expert = count("expert_count", 0, minimum=0)
     n_expert_used = count("expert_used_count", 0, minimum=0)
-    if n_expert_used > n_expert:
-        raise ModelFormatError(f"{path}: '{arch}.expert_used_count' {n_expert_used} exceeds "
-                               f"'{arch}.expert_count' {n_expert}")
     n_ff = count("feed_forward_length", 0, minimum=0)
-    if arch == "qwen35moe" and n_expert == 0:
-        raise ModelFormatError(f"{path}: qwen35moe needs '{arch}.expert_count' > 0")
+    if arch in MOE_ARCHS and n_expert == 0:
+        raise ModelFormatError(f"{path}: {arch} needs '{arch}.expert_count' > 0")
+    if n_expert and not 0 < n_expert_used <= n_expert:
+        raise ModelFormatError(f"{path}: '{arch}.expert_used_count' is {n_expert_used}, expected 1..{n_expert}")
     cfg = ModelConfig(
         arch=arch,
         n_vocab=n_vocab,
@@ -186,7 +197,7 @@ def from_gguf(reader, path: str = "<gguf>") -> ModelConfig:
         head_dim=head_dim,
         rope_dim=rope_dim,
         rope_theta=_number(get("rope.freq_base", 10000.0), f"{arch}.rope.freq_base", path),
-        rope_sections=tuple(sections),
+        rope_sections=None if sections is None else tuple(sections),
         norm_eps=_number(get("attention.layer_norm_rms_epsilon", required=True),
                          f"{arch}.attention.layer_norm_rms_epsilon", path),
         conv_kernel=count("ssm.conv_kernel", required=True),

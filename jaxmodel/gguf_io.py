@@ -96,6 +96,50 @@ def _gdn(ts: _Tensors, p: str, cfg: ModelConfig) -> GatedDeltaNet:
     )
 
 
+def tiled_head_order(n_key_heads: int, n_value_heads: int) -> np.ndarray:
+    """[Hv] int: tiled value head p is grouped value head (p % Hk) * r + p // Hk, r = Hv / Hk.
+
+    Grouped order (qwen3next files) gives value head g*r+i key head g; tiled order (qwen3.5 files, and our GDN
+    mixer and kernels) gives value head p key head p % Hk. Both pair every value head with the same key head,
+    so permuting the value-head-indexed weights turns one layout into the other exactly."""
+    r = n_value_heads // n_key_heads
+    p = np.arange(n_value_heads)
+    return (p % n_key_heads) * r + p // n_key_heads
+
+
+def _gdn_grouped(ts: _Tensors, p: str, cfg: ModelConfig) -> GatedDeltaNet:
+    """A qwen3next GDN layer: fused attn_qkv + attn_gate (or the legacy per-key-head ssm_in), ssm_ba, value
+    heads grouped by key head; returned with value heads in tiled order."""
+    E, C, Hk, Hv, Dk, Kc = cfg.n_embd, cfg.conv_channels, cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
+    r, n_qk = Hv // Hk, 2 * Hk * Dk
+    if ts.has(p + "ssm_in.weight"):
+        # Per key head: [q Dk | k Dk | v r*Dv | z r*Dv] output rows.
+        fused = ts.get(p + "ssm_in.weight", (n_qk + 2 * Hv * Dk, E)).reshape(Hk, 2 * Dk + 2 * r * Dk, E)
+        q, k, v, z = np.split(fused, [Dk, 2 * Dk, 2 * Dk + r * Dk], axis=1)
+        qkv = np.concatenate([q.reshape(-1, E), k.reshape(-1, E), v.reshape(-1, E)])  # [C, E]
+        gate = z.reshape(Hv * Dk, E)
+    else:
+        qkv = ts.get(p + "attn_qkv.weight", (C, E))
+        gate = ts.get(p + "attn_gate.weight", (Hv * Dk, E))
+    ba = ts.get(p + "ssm_ba.weight", (2 * Hv, E)).reshape(Hk, 2 * r, E)  # per key head [b r | a r]
+    order = tiled_head_order(Hk, Hv)
+    rows = lambda a: np.ascontiguousarray(a.reshape(Hv, -1, *a.shape[1:])[order].reshape(a.shape))
+    qkv = np.concatenate([qkv[:n_qk], rows(qkv[n_qk:])])
+    conv = ts.get(p + "ssm_conv1d.weight", (C, Kc))
+    out = ts.get(p + "ssm_out.weight", (E, Hv * Dk)).reshape(E, Hv, Dk)[:, order].reshape(E, Hv * Dk)
+    return GatedDeltaNet(
+        qkv=np.ascontiguousarray(qkv.T),
+        gate=np.ascontiguousarray(rows(gate).T),
+        conv=np.concatenate([conv[:n_qk], rows(conv[n_qk:])]),
+        dt_bias=rows(ts.get(p + "ssm_dt.bias", (Hv,))),
+        a=rows(ts.get(p + "ssm_a", (Hv,))),
+        beta=np.ascontiguousarray(ba[:, :r].reshape(Hv, E)[order].T),
+        alpha=np.ascontiguousarray(ba[:, r:].reshape(Hv, E)[order].T),
+        norm=ts.get(p + "ssm_norm.weight", (Dk,)),
+        out=np.ascontiguousarray(out.T),
+    )
+
+
 def _ffn(ts: _Tensors, p: str, cfg: ModelConfig) -> DenseFfn | MoeFfn:
     E = cfg.n_embd
     if not cfg.is_moe:
@@ -129,7 +173,7 @@ def _layer(ts: _Tensors, index: int, cfg: ModelConfig, recurrent: bool) -> Layer
     return Layer(
         attn_norm=ts.get(p + "attn_norm.weight", (E,)),
         post_norm=ts.get(p + "post_attention_norm.weight", (E,)),
-        mixer=_gdn(ts, p, cfg) if recurrent else _attention(ts, p, cfg),
+        mixer=(_gdn_grouped if cfg.grouped_value_heads else _gdn)(ts, p, cfg) if recurrent else _attention(ts, p, cfg),
         ffn=_ffn(ts, p, cfg),
     )
 
@@ -233,7 +277,8 @@ def write_gguf(
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_rope_dimension_count(cfg.rope_dim)
-    w.add_rope_dimension_sections(list(cfg.rope_sections))
+    if cfg.rope_sections is not None:
+        w.add_rope_dimension_sections(list(cfg.rope_sections))
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_ssm_conv_kernel(cfg.conv_kernel)
@@ -275,10 +320,10 @@ def write_gguf(
     if not tied:
         put("output.weight", weights.output, matmul=True)
     for i, layer in enumerate(weights.layers):
-        _put_layer(put, f"blk.{i}.", layer)
+        _put_layer(put, f"blk.{i}.", layer, cfg)
     if weights.mtp is not None:
         m, p = weights.mtp, f"blk.{cfg.n_layer}."
-        _put_layer(put, p, m.layer)
+        _put_layer(put, p, m.layer, cfg)
         put(p + "nextn.eh_proj.weight", m.eh_proj, matmul=True)
         put(p + "nextn.enorm.weight", m.enorm)
         put(p + "nextn.hnorm.weight", m.hnorm)
@@ -300,11 +345,34 @@ def _interval(recurrent: tuple[bool, ...]) -> int | None:
     return None
 
 
-def _put_layer(put, p: str, layer: Layer) -> None:
+def _put_gdn_grouped(put, p: str, mixer: GatedDeltaNet, cfg: ModelConfig) -> None:
+    """A GDN layer in qwen3next's layout: value heads back in grouped order, β and α rows fused into ssm_ba."""
+    E, Hk, Hv, Dk = cfg.n_embd, cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state
+    r, n_qk = Hv // Hk, 2 * Hk * Dk
+    grouped = np.argsort(tiled_head_order(Hk, Hv))
+    rows = lambda a: np.asarray(a).reshape(Hv, -1, *np.shape(a)[1:])[grouped].reshape(np.shape(a))
+    qkv = np.asarray(mixer.qkv).T  # [C, E]
+    put(p + "attn_qkv.weight", np.concatenate([qkv[:n_qk], rows(qkv[n_qk:])]).T, matmul=True)
+    put(p + "attn_gate.weight", rows(np.asarray(mixer.gate).T).T, matmul=True)
+    conv = np.asarray(mixer.conv)
+    put(p + "ssm_conv1d.weight", np.concatenate([conv[:n_qk], rows(conv[n_qk:])]))
+    put(p + "ssm_dt.bias", rows(mixer.dt_bias))
+    put(p + "ssm_a", rows(mixer.a))
+    beta, alpha = rows(np.asarray(mixer.beta).T), rows(np.asarray(mixer.alpha).T)  # [Hv, E] each
+    ba = np.concatenate([beta.reshape(Hk, r, E), alpha.reshape(Hk, r, E)], axis=1).reshape(2 * Hv, E)
+    put(p + "ssm_ba.weight", ba.T, matmul=True)
+    put(p + "ssm_norm.weight", mixer.norm)
+    out = np.asarray(mixer.out).T.reshape(E, Hv, Dk)[:, grouped].reshape(E, Hv * Dk)
+    put(p + "ssm_out.weight", out.T, matmul=True)
+
+
+def _put_layer(put, p: str, layer: Layer, cfg: ModelConfig) -> None:
     put(p + "attn_norm.weight", layer.attn_norm)
     put(p + "post_attention_norm.weight", layer.post_norm)
     mixer = layer.mixer
-    if isinstance(mixer, GatedDeltaNet):
+    if isinstance(mixer, GatedDeltaNet) and cfg.grouped_value_heads:
+        _put_gdn_grouped(put, p, mixer, cfg)
+    elif isinstance(mixer, GatedDeltaNet):
         put(p + "attn_qkv.weight", mixer.qkv, matmul=True)
         put(p + "attn_gate.weight", mixer.gate, matmul=True)
         put(p + "ssm_conv1d.weight", mixer.conv)

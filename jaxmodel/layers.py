@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from .attention import attend
 from .config import ModelConfig
-from .weights import Attention, DenseFfn, MoeFfn
+from .weights import Attention, DenseFfn
 
 
 def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -89,24 +89,3 @@ def paged_attention(
 def dense_ffn(w: DenseFfn, x: jax.Array) -> jax.Array:
     """SwiGLU: (silu(x Wg) * x Wu) Wd. x [..., E] -> [..., E]."""
     return linear(jax.nn.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
-
-
-def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Top-k routed experts plus a sigmoid-gated shared expert (SPEC §11). x [..., E] -> [..., E].
-
-    Every expert is evaluated and the unselected ones get weight 0: exact, and cheap at the sizes we run on CPU.
-    """
-    probs = jax.nn.softmax(linear(x, w.router), axis=-1)  # [..., X]
-    top_p, top_i = jax.lax.top_k(probs, cfg.n_expert_used)
-    top_p = top_p / jnp.maximum(jnp.sum(top_p, axis=-1, keepdims=True), 6.1035e-5)
-    weights = jnp.sum(jax.nn.one_hot(top_i, cfg.n_expert, dtype=x.dtype) * top_p[..., None], axis=-2)  # [..., X]
-    xg, xu = as_matmul_input(x, w.gate), as_matmul_input(x, w.up)
-    hidden = jax.nn.silu(jnp.einsum("...e,xef->...xf", xg, w.gate)) * jnp.einsum("...e,xef->...xf", xu, w.up)
-    per_expert = jnp.einsum("...xf,xfe->...xe", as_matmul_input(hidden, w.down), w.down)
-    routed = jnp.einsum("...xe,...x->...e", per_expert, weights)
-    shared = linear(jax.nn.silu(linear(x, w.shared_gate)) * linear(x, w.shared_up), w.shared_down)
-    return routed + jax.nn.sigmoid(jnp.sum(x * w.shared_router, axis=-1, keepdims=True)) * shared
-
-
-def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    return dense_ffn(w, x) if isinstance(w, DenseFfn) else moe_ffn(w, cfg, x)

@@ -1,4 +1,4 @@
-"""The qwen35 forward pass as pure functions over the weights pytree and the state pools.
+"""The qwen35 / qwen35moe / qwen3next forward pass as pure functions over the weights pytree and the state pools.
 
 `forward` serves prefill, decode and verification alike: a padded batch of rows, each feeding some tokens from
 its own KV pages and GDN planes (DESIGN.md "State"). `Model` wraps the jitted step with a small API.
@@ -16,7 +16,8 @@ import numpy as np
 from .config import ModelConfig
 from .gdn import gdn_mixer
 from .gguf_io import read_gguf, to_device
-from .layers import ffn, linear, paged_attention, rms_norm
+from .layers import linear, paged_attention, rms_norm
+from .moe import ffn
 from .precision import cast_matmul_weights, default_weight_dtype
 from .state import ModelState, Row, StepBatch, StepOutput, bucket, init_state, pack_batch, scatter_planes
 from .weights import Layer, Mtp, Weights
@@ -164,7 +165,8 @@ class Model:
 
 def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False,
                weight_dtype: str | None = None) -> Model:
-    """Load a qwen35 / qwen35moe GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, dequantised to float32).
+    """Load a qwen35 / qwen35moe / qwen3next GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, dequantised to
+    float32).
 
     keep_f16: keep F16 tensors in f16; their matmuls then round activations to f16 as llama.cpp does on CPU
     (exact F16 parity; slower on CPU, see DESIGN.md). weight_dtype: "float32" or "bfloat16" for the matmul

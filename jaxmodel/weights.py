@@ -47,6 +47,9 @@ class Attention:
 
 @pytree
 class GatedDeltaNet:
+    """Value heads in tiled order (value head h uses key head h % Hk); qwen3next's grouped heads are permuted
+    into it at load."""
+
     qkv: jax.Array  # [E, C]  output [q: Hk Dk | k: Hk Dk | v: Hv Dv]
     gate: jax.Array  # [E, Hv Dv]  z
     conv: jax.Array  # [C, Kc]

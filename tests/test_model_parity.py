@@ -1,4 +1,5 @@
-"""Parity with llama.cpp's outputs on the fixture GGUFs, through the same batched step the server uses."""
+"""Parity with llama.cpp's (and, where the fixture has them, Hugging Face's) outputs on the fixture GGUFs, through
+the same batched step the server uses."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def mtp_inputs(hidden: np.ndarray) -> np.ndarray:
         ("tiny-qwen35-mtp", "tiny-qwen35-mtp-T96", 1e-3, False),
         ("tiny-qwen35-f16", "tiny-qwen35-f16", 2e-2, True),
         ("tiny-qwen35moe", "tiny-qwen35moe", 1e-3, False),
+        ("tiny-qwen3next", "tiny-qwen3next", 1e-3, False),
     ],
 )
 def test_batch_logits_hidden_and_mtp_match_llama_cpp(gguf, npz, tol, keep_f16):
@@ -40,6 +42,13 @@ def test_batch_logits_hidden_and_mtp_match_llama_cpp(gguf, npz, tol, keep_f16):
     np.testing.assert_array_equal(mtp_logits.argmax(-1), ref["D"].argmax(-1))
     if "HF" in ref:
         np.testing.assert_allclose(logits, ref["HF"], atol=tol, rtol=0)
+        np.testing.assert_array_equal(logits.argmax(-1), ref["HF"].argmax(-1))
+    if "HF_D" in ref:  # the MTP head built from HF modules, fed HF's own hidden states
+        np.testing.assert_allclose(hidden, ref["HF_H"], atol=tol, rtol=0)
+        hf_logits, hf_hidden = model.score_mtp(ref["tokens"], mtp_inputs(ref["HF_H"]))
+        np.testing.assert_allclose(hf_logits, ref["HF_D"], atol=tol, rtol=0)
+        np.testing.assert_allclose(hf_hidden, ref["HF_Dh"], atol=tol, rtol=0)
+        np.testing.assert_array_equal(hf_logits.argmax(-1), ref["HF_D"].argmax(-1))
 
 
 def test_f16_file_without_activation_rounding_stays_close():
@@ -56,42 +65,59 @@ def test_chunked_scoring_matches_one_batch(tiny_model):
     np.testing.assert_allclose(logits, ref["A"], atol=1e-3, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def next_model():
+    return load_model(DATA / "tiny-qwen3next.gguf")
+
+
+@pytest.fixture(params=["tiny-qwen35-mtp", "tiny-qwen3next"])
+def fixture_model(request, tiny_model, next_model):
+    """(model, its llama.cpp outputs) for the dense qwen35 fixture and the qwen3next (grouped heads, MoE) one."""
+    model = tiny_model if request.param == "tiny-qwen35-mtp" else next_model
+    return model, fixture(request.param)
+
+
 def step_one(model, state, row: Row, **shape):
     out, state = model.step(model.weights, batch=pack_batch([row], **shape), state=state)
     return np.asarray(out.logits[0]), state
 
 
-def test_token_by_token_decode_matches_llama_cpp(tiny_model):
-    ref = fixture("tiny-qwen35-mtp")
+def test_token_by_token_decode_matches_llama_cpp(fixture_model):
+    model, ref = fixture_model
     tokens = ref["tokens"]
-    pages = [1, 2]
-    state = tiny_model.new_state(n_pages=3, n_planes=3, page_size=PAGE)
+    pages = [1, 2, 3, 4]
+    state = model.new_state(n_pages=5, n_planes=3, page_size=PAGE)
     read = 0
     for t, token in enumerate(tokens):
         write = 1 if read != 1 else 2  # ping-pong between two planes
-        logits, state = step_one(tiny_model, state, Row([token], t, pages, read, [write], [0]), T=1, P=2, R=1)
+        logits, state = step_one(model, state, Row([token], t, pages, read, [write], [0]), T=1, P=4, R=1)
         np.testing.assert_allclose(logits[0], ref["B"][t], atol=1e-3, rtol=0)
+        assert logits[0].argmax() == ref["B"][t].argmax()
         read = write
 
 
-def test_partial_rollback_through_snapshot_planes_matches_llama_cpp(tiny_model):
-    """Fixture C: prefill T-4, a 4-token step writing 4 snapshot planes, roll back 2, decode `alt` at T-2."""
-    ref = fixture("tiny-qwen35-mtp")
+def test_partial_rollback_through_snapshot_planes_matches_llama_cpp(fixture_model):
+    """Fixture C: prefill T-4, a 4-token step writing 4 snapshot planes, roll back 2, decode `alt` at T-2.
+
+    For qwen3next llama.cpp has no snapshot planes and made C by restoring a saved sequence state; the same
+    logits must come out of our snapshot planes."""
+    model, ref = fixture_model
     tokens, T = ref["tokens"], len(ref["tokens"])
-    pages = [1, 2]
-    state = tiny_model.new_state(n_pages=3, n_planes=6, page_size=PAGE)
+    pages = [1, 2, 3, 4]
+    state = model.new_state(n_pages=5, n_planes=6, page_size=PAGE)
     prefill = list(tokens[: T - 4])
-    _, state = step_one(tiny_model, state, Row(prefill, 0, pages, 0, [-1] * (len(prefill) - 1) + [1]), P=2)
-    _, state = step_one(tiny_model, state, Row(list(tokens[T - 4 :]), T - 4, pages, 1, [2, 3, 4, 5]), P=2)
+    _, state = step_one(model, state, Row(prefill, 0, pages, 0, [-1] * (len(prefill) - 1) + [1]), P=4)
+    _, state = step_one(model, state, Row(list(tokens[T - 4 :]), T - 4, pages, 1, [2, 3, 4, 5]), P=4)
     # Rolling back 2 of the 4 keeps tokens up to T-3: its state is in plane 3; the KV length is simply T-2.
-    logits, _ = step_one(tiny_model, state, Row([int(ref["alt"])], T - 2, pages, 3, [-1], [0]), P=2)
+    logits, _ = step_one(model, state, Row([int(ref["alt"])], T - 2, pages, 3, [-1], [0]), P=4)
     np.testing.assert_allclose(logits[0], ref["C"], atol=1e-3, rtol=0)
     assert logits[0].argmax() == ref["C"].argmax()
 
 
 @pytest.mark.parametrize("accepted", range(5))
-def test_checkpoint_and_snapshot_agree_after_any_rollback(tiny_model, accepted):
+def test_checkpoint_and_snapshot_agree_after_any_rollback(fixture_model, accepted):
     """Verify a 1 + 4 token step, keep `accepted` drafts, then decode the next token both ways."""
+    tiny_model, _ = fixture_model
     rng = np.random.default_rng(accepted)
     prompt = list(rng.integers(0, 500, 11))
     fed = list(rng.integers(0, 500, 5))  # last token + 4 drafts

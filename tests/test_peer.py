@@ -53,3 +53,25 @@ def test_bench_peer_without_llama_cpp_fails_with_the_install_hint(monkeypatch):
     message = str(exc.value)
     assert "pip install -e '.[peer]'" in message
     assert "LLAMA_CPP_LIB_PATH" in message
+
+
+@pytest.mark.parametrize("preset", ["qwen3next-tiny", "qwen35moe-tiny"])
+def test_llama_cpp_loads_our_moe_presets_and_computes_our_logits(tmp_path, preset):
+    """`make-random` qwen3next / qwen35moe files (value heads regrouped and ssm_ba fused for qwen3next) are read
+    by llama.cpp as we read them: its logits (F16 KV cache by default) equal ours on every position."""
+    _llama_cpp_or_skip()
+    from bench.peer import LlamaCpp
+    from jaxmodel import load_model
+    from jaxmodel.gguf_io import write_gguf
+    from jaxmodel.random_model import PRESETS, random_weights
+
+    cfg = PRESETS[preset]
+    path = tmp_path / f"{preset}.gguf"
+    write_gguf(path, cfg, random_weights(cfg, seed=1), name=preset)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, cfg.n_vocab - 3, 20)]
+    ours, _ = load_model(path).score(tokens)
+    with LlamaCpp(path, threads=2, n_ctx=64) as peer:
+        peer.decode(tokens, 0, all_logits=True)
+        theirs = np.stack([peer.logits(i).copy() for i in range(len(tokens))])
+    np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0)
+    np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
