@@ -9,7 +9,7 @@ is P(draft k accepted | drafts 1..k-1 accepted): with greedy verification this i
 accept, computed teacher-forced along the greedy continuation:
 
 - MTP: the block's own KV cache holds (token p, target hidden p-1) for every committed position, as llama.cpp's
-  catch-up writes it; each draft point then chains the block on its own hidden (SPEC §6.2), one batched step per
+  catch-up writes it; each draft point then chains the block on its own hidden (docs/model.md §6.2), one batched step per
   draft position, each point on a private copy of the pages.
 - draft model: its greedy token after the committed prefix (one `score` over the whole sequence).
 - n-gram: `drafters.ngram.ngram_draft` (prompt lookup, longest suffix match) over the committed tokens.

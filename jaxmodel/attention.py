@@ -1,4 +1,4 @@
-"""Causal attention over the paged KV cache (SPEC-qwen35 §4.1), costing what the live context costs.
+"""Causal attention over the paged KV cache (docs/model.md §4.1), costing what the live context costs.
 
 This module is the one place that chooses how attention over pages runs; `layers.paged_attention` calls
 `attend` and never an implementation directly. Every row carries the page table of a full-length sequence

@@ -1,4 +1,4 @@
-"""The gated delta rule over snapshot planes (SPEC-qwen35 §4.2 step 6).
+"""The gated delta rule over snapshot planes (docs/model.md §4.2 step 6).
 
 This module is the one place that chooses how the recurrence runs; the GDN mixer calls
 `gated_delta_rule` and never an implementation directly. The specification all implementations are tested

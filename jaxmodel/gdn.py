@@ -1,4 +1,4 @@
-"""The Gated DeltaNet mixer (SPEC-qwen35 §4.2) over the conv and SSM plane pools."""
+"""The Gated DeltaNet mixer (docs/model.md §4.2) over the conv and SSM plane pools."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GGUF -> (ModelConfig, Weights) and Weights -> GGUF, in the tensor layout of SPEC-qwen35 §3."""
+"""GGUF -> (ModelConfig, Weights) and Weights -> GGUF, in the tensor layout of docs/model.md §3."""
 
 from __future__ import annotations
 
@@ -258,7 +258,7 @@ def write_gguf(
     dtype: str = "f32",
     name: str = "gdnspec",
 ) -> None:
-    """Write `weights` as a GGUF llama.cpp can load (SPEC §3, §9). 2-D matmul weights take `dtype`; norms,
+    """Write `weights` as a GGUF llama.cpp can load (docs/model.md §3, §9). 2-D matmul weights take `dtype`; norms,
     biases, conv and SSM vectors stay F32. vocab (with its chat template): a byte-level one when not given."""
     if dtype not in _EXPORT_TYPES:
         raise ValueError(f"unsupported export dtype '{dtype}' (one of {', '.join(_EXPORT_TYPES)})")

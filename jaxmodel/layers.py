@@ -1,4 +1,4 @@
-"""Building blocks of the qwen35 forward pass (SPEC-qwen35 §4): norms, rope, paged gated attention, FFNs."""
+"""Building blocks of the qwen35 forward pass (docs/model.md §4): norms, rope, paged gated attention, FFNs."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def l2_norm(x: jax.Array, eps: float) -> jax.Array:
 
 
 def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """NEOX-style rotation of the first R dims of each head, as imrope does for text tokens (SPEC §4.4).
+    """NEOX-style rotation of the first R dims of each head, as imrope does for text tokens (docs/model.md §4.4).
 
     x [B, T, H, D], positions [B, T] -> [B, T, H, D]
     """
@@ -59,7 +59,7 @@ def paged_attention(
     k_pages: jax.Array,  # [n_pages, page_size, Hkv, D]
     v_pages: jax.Array,  # [n_pages, page_size, Hkv, D]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gated causal attention over a paged KV cache (SPEC §4.1). Writes this step's K/V, then attends.
+    """Gated causal attention over a paged KV cache (docs/model.md §4.1). Writes this step's K/V, then attends.
 
     Padding tokens write into page 0, the trash page. Only pages up to the batch's last live position are read
     (`jaxmodel.attention`), so the width P of the page table costs nothing. Returns y [B, T, E] and the updated

@@ -1,7 +1,7 @@
 """The qwen35 / qwen35moe / qwen3next forward pass as pure functions over the weights pytree and the state pools.
 
 `forward` serves prefill, decode and verification alike: a padded batch of rows, each feeding some tokens from
-its own KV pages and GDN planes (DESIGN.md "State"). `Model` wraps the jitted step with a small API.
+its own KV pages and GDN planes (docs/design.md "State: pools and tables"). `Model` wraps the jitted step with a small API.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def mtp_forward(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array, state: ModelState,
     vocab: int | None = None,
 ) -> tuple[StepOutput, ModelState]:
-    """The MTP block (SPEC §6.1) on (token x_t at position t, hidden h_{t-1}) pairs.
+    """The MTP block (docs/model.md §6.1) on (token x_t at position t, hidden h_{t-1}) pairs.
 
     hidden_in [B, T, E]: the target's post-norm hidden at t-1 (or the MTP's own, when chaining drafts).
     Uses the last KV layer of `state` (the MTP block's own pages, indexed by the same page table); the plane
@@ -169,7 +169,7 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     float32).
 
     keep_f16: keep F16 tensors in f16; their matmuls then round activations to f16 as llama.cpp does on CPU
-    (exact F16 parity; slower on CPU, see DESIGN.md). weight_dtype: "float32" or "bfloat16" for the matmul
+    (exact F16 parity; slower on CPU, see docs/design.md). weight_dtype: "float32" or "bfloat16" for the matmul
     weights (`jaxmodel.precision`); None: the default backend's choice (bfloat16 on GPU, float32 on CPU).
     """
     cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16)

@@ -1,4 +1,4 @@
-"""Device state: KV page pools and GDN plane pools, and the per-step batch that indexes them (DESIGN.md "State").
+"""Device state: KV page pools and GDN plane pools, and the per-step batch that indexes them (docs/design.md "State: pools and tables").
 
 Plane 0 is the null plane (all zeros: a new sequence reads it; nobody writes it) and page 0 is the trash page
 (padding tokens write their K/V there), so allocatable planes are 1..n_planes-1 and pages 1..n_pages-1.

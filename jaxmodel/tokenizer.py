@@ -1,7 +1,7 @@
 """GGUF vocabularies (`tokenizer.ggml.*`) as `tokenizers` byte-level BPE tokenizers, both ways.
 
 `load_tokenizer(path or reader)` rebuilds the tokenizer a qwen35 GGUF describes (llama.cpp's reading of the same
-metadata: SPEC-qwen35 §8); `vocab_from_tokenizer` + `write_vocab` turn a `tokenizers` tokenizer into that metadata.
+metadata: docs/model.md §8); `vocab_from_tokenizer` + `write_vocab` turn a `tokenizers` tokenizer into that metadata.
 `IncrementalDetokenizer` turns a stream of token ids into text without ever splitting a UTF-8 character.
 """
 

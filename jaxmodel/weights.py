@@ -1,4 +1,4 @@
-"""The weights pytree. Matmul weights are [n_in, n_out], y = x @ W: the transpose of GGUF's numpy order (SPEC §0),
+"""The weights pytree. Matmul weights are [n_in, n_out], y = x @ W: the transpose of GGUF's numpy order (docs/model.md §0),
 which the loader and writer swap, because XLA's CPU matrix-vector product streams this layout about twice as fast."""
 
 from __future__ import annotations

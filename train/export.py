@@ -1,4 +1,4 @@
-"""Trained checkpoints -> the bundled GGUFs (through `jaxmodel.gguf_io.write_gguf`, SPEC-qwen35 layout).
+"""Trained checkpoints -> the bundled GGUFs (through `jaxmodel.gguf_io.write_gguf`, docs/model.md layout).
 
     python -m train.export --work-dir train/runs --out-dir jaxmodel/assets
 """

@@ -71,8 +71,8 @@ def losses(
     """Next-token loss and the MTP losses on tokens [B, T] (nats per token).
 
     "lm": the target predicts tokens[t+1] at t. "mtp1": the MTP block, fed (tokens[t], target h_{t-1}) at row t,
-    predicts tokens[t+1], i.e. two tokens past h (SPEC §6.1). "mtp{k}" for k <= mtp_chain: the block chained on
-    its own hidden as drafting does (SPEC §6.2), teacher-forced with the true tokens, k tokens past h.
+    predicts tokens[t+1], i.e. two tokens past h (docs/model.md §6.1). "mtp{k}" for k <= mtp_chain: the block chained on
+    its own hidden as drafting does (docs/model.md §6.2), teacher-forced with the true tokens, k tokens past h.
     Row 0 (h_{-1} = 0) is left out of the MTP losses; each chained step loses one more row at the start.
     """
     weights = materialize(params)

@@ -1,7 +1,7 @@
 """Trainable parameters: the `Weights` pytree with its tied arrays left out, initialisation, and materialising.
 
 The target ties its output head to the embedding, and the MTP block shares the target's embedding and head
-(SPEC §3.4 fallbacks), so the trainable tree holds each shared array once: `Weights.output`, `Mtp.embed` and
+(docs/model.md §3.4 fallbacks), so the trainable tree holds each shared array once: `Weights.output`, `Mtp.embed` and
 `Mtp.head` are None in it, and `materialize` fills them in.
 """
 

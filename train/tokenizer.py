@@ -1,4 +1,4 @@
-"""Training the byte-level BPE tokenizer (GPT-2 byte mapping, Qwen3.5's pre-tokenizer regex, SPEC §8)."""
+"""Training the byte-level BPE tokenizer (GPT-2 byte mapping, Qwen3.5's pre-tokenizer regex, docs/model.md §8)."""
 
 from __future__ import annotations
 

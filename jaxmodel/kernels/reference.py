@@ -1,6 +1,6 @@
 """The plain gated delta rule: the specification every other implementation is tested against.
 
-A per-token loop in numpy float64, written to be read (SPEC-qwen35 §4.2 step 6). Nothing here is fast or
+A per-token loop in numpy float64, written to be read (docs/model.md §4.2 step 6). Nothing here is fast or
 jitted; the model never calls it.
 """
 
