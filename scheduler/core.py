@@ -294,7 +294,7 @@ class Scheduler:
             step = replace(row, fed=fed, start=len(seq.tokens) - 1, read_plane=seq.live_plane,
                            draft_max=n_drafts, mode="snapshot" if len(row.write_pool) > 1 else row.mode,
                            write_pool=pool, drafts=tuple(iteration.drafts),
-                           drafter=(row.drafter or UNNAMED_DRAFTER) if n_drafts else None)  # fmt: skip
+                           drafter=(iteration.drafter or row.drafter or UNNAMED_DRAFTER) if n_drafts else None)  # fmt: skip
             self._roll(seq, step, iteration.committed.n_accepted, trim=False)
             events += self._commit(seq, iteration.committed, step)
         if seq.request.seq_id in self._seqs:

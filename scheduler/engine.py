@@ -189,7 +189,8 @@ class Engine:
             n_tokens = row.start + len(row.fed) + len(result.committed)
             if result.more:
                 name = self._device_drafter(row)
-                continued[row.seq_id] = [Continued(tuple(it.drafts), Committed(tuple(it.committed), it.n_accepted))
+                continued[row.seq_id] = [Continued(tuple(it.drafts), Committed(tuple(it.committed), it.n_accepted),
+                                                   name if it.drafts else None)
                                          for it in result.more]  # fmt: skip
                 for it in result.more:
                     self._observe(row.seq_id, name if it.drafts else None, len(it.drafts), it.n_accepted,

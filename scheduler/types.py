@@ -197,10 +197,11 @@ class Committed:
 class Continued:
     """A later iteration the device ran for a row within the same step (`Scheduler.update`): it fed the previous
     iteration's last committed token and `drafts`, in snapshot mode over the row's planes, and committed
-    `committed`."""
+    `committed`. drafter: the drafter that made `drafts` (the one chaining on device)."""
 
     drafts: tuple[int, ...]
     committed: Committed
+    drafter: str | None = None
 
 
 @dataclass(frozen=True)

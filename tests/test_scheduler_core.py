@@ -515,18 +515,20 @@ def test_fail_after_a_partial_update_and_fail_all():
 
 
 
-def test_later_iterations_drafting_on_device_are_counted_under_a_name():
-    """A row that carried no draft may run later iterations with the device's drafts: their statistics need a
-    string name (a None key cannot be sent in a done frame)."""
+@pytest.mark.parametrize("drafter", ["mtp", None])
+def test_later_iterations_drafting_on_device_are_counted_under_a_name(drafter):
+    """A row that carried no draft may run later iterations with the device's drafts: they count under the drafter
+    the engine names, or under a string placeholder (a None key cannot be sent in a done frame)."""
     sched = make_scheduler()
     sched.add(Request("a", (1, 2), max_tokens=5, n_max=2, rollback="snapshot"))
     sched.update(sched.schedule(), {"a": Committed((5,), 0)})  # the prompt
     plan = sched.schedule()
     [row] = plan.rows
     assert row.mode == "snapshot" and row.draft_max == 2 and row.drafter is None
-    events = sched.update(plan, {"a": Committed((6,), 0)}, {"a": [Continued((7, 8), Committed((7, 8, 9), 2))]})
+    events = sched.update(plan, {"a": Committed((6,), 0)},
+                          {"a": [Continued((7, 8), Committed((7, 8, 9), 2), drafter)]})  # fmt: skip
     done = events[-1]
-    assert done.finish_reason == "length" and dict(done.drafters) == {UNNAMED_DRAFTER: DraftStats(2, 2)}
+    assert done.finish_reason == "length" and dict(done.drafters) == {drafter or UNNAMED_DRAFTER: DraftStats(2, 2)}
 
 
 # ---- stops -------------------------------------------------------------------------------------------------
