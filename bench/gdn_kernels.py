@@ -22,14 +22,13 @@ import argparse
 import functools
 import json
 import platform
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from bench import median_seconds
 from jaxmodel.delta_rule import gated_delta_rule
 
 
@@ -94,17 +93,6 @@ def make_inputs(key, shapes: Shapes, n_rows: int, n_tokens: int, final_only: boo
         n_planes = 1 + (n_tokens + 1) * n_rows
     pool = 0.1 * jax.random.normal(ks, (n_planes, shapes.n_value_heads, shapes.dk, shapes.dv), jnp.float32)
     return q, k, v, g, beta, pool.at[0].set(0.0), read_plane, write_planes
-
-
-def median_seconds(run, repeats: int) -> float:
-    """Median wall time of `run()` (which must block until its results are ready) after one warm-up call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def time_steps(args, impl: str, final_only: bool, repeats: int, inner: int) -> float:

@@ -21,30 +21,19 @@ import functools
 import gc
 import os
 import platform
-import time
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import save_json
+from bench import median_seconds, save_json
 from jaxmodel import Model, moe
 from jaxmodel.random_model import PRESETS, random_weights
 from jaxmodel.state import Row, pack_batch
 
 MOE_PRESETS = ["qwen35moe-mini-64x4", "qwen35moe-mini-256x8", "qwen3next-mini-512x10"]
 PAGE_SIZE = 16
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1e3)
 
 
 def decode_step_ms(cfg, weights, *, dense: bool, batch: int, context: int, repeats: int) -> float:
@@ -68,7 +57,7 @@ def decode_step_ms(cfg, weights, *, dense: bool, batch: int, context: int, repea
             out, holder["state"] = model.step(model.weights, batch=step_batch, state=holder["state"])
             out.logits.block_until_ready()
 
-        return median_ms(one, repeats)
+        return median_seconds(one, repeats) * 1e3
 
 
 def ragged_dot_moe(w, cfg, x: jax.Array) -> jax.Array:
@@ -88,7 +77,7 @@ def layer_ms(cfg, w, n_tokens: int, form: str, repeats: int) -> float:
     fn = {"routed": moe.moe_ffn, "dense": moe.moe_ffn_dense, "ragged_dot": ragged_dot_moe}[form]
     step = jax.jit(functools.partial(fn, cfg=cfg))
     x = jax.random.normal(jax.random.key(n_tokens), (n_tokens, cfg.n_embd))
-    return median_ms(lambda: step(w, x=x).block_until_ready(), repeats)
+    return median_seconds(lambda: step(w, x=x).block_until_ready(), repeats) * 1e3
 
 
 def main(argv=None) -> dict:

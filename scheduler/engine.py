@@ -217,10 +217,11 @@ class Engine:
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
         self.policy.record_target(max(seconds / n_iterations - chain_seconds, 0.0), plan.n_tokens)
+        n_chained = sum(n for _, n in chaining)
         for row, n_chain in chaining:
             name = self._device_drafter(row)
             if name is not None:
-                self.policy.record_proposal(name, chain_seconds * n_chain / sum(n for _, n in chaining), n_chain)
+                self.policy.record_proposal(name, chain_seconds * n_chain / n_chained, n_chain)
 
     def _observe(self, seq_id, drafter: str | None, drafted: int, accepted: int, committed) -> None:
         if drafter is not None:
