@@ -25,3 +25,22 @@ def median_seconds(run, repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 20) -> float:
+    """The default device's memory bandwidth in bytes/s, counting bytes read plus bytes written: a jitted
+    elementwise pass over `n_bytes` of random float32 (the ceiling a bandwidth-bound kernel is measured against).
+    The buffer is donated and passed along, so no call allocates."""
+    import jax
+    import jax.numpy as jnp
+
+    state = {"x": jax.random.normal(jax.random.PRNGKey(0), (n_bytes // 4,), jnp.float32)}
+    step = jax.jit(lambda x: x + 1.0, donate_argnums=0)
+
+    def run():
+        state["x"] = step(state["x"])
+        state["x"].block_until_ready()
+
+    for _ in range(3):
+        run()
+    return 2 * state["x"].nbytes / median_seconds(run, repeats)

@@ -6,9 +6,11 @@
 Three sections, each a list of JSON rows:
 - decode: the verify/decode step (T = 1, 4, 8 tokens per row, snapshot mode: the state after every token is
   written to its own plane) at batch 1, 8, 32. Achieved bandwidth counts the state bytes the step must move:
-  each row's input plane read once and T planes written (float32).
+  each row's input plane read once and T planes written (float32), and its share of a plain copy's bandwidth
+  (`bench.copy_bandwidth`, measured first on the same device).
 - prefill: one prefill chunk per row (T = 1024, 4096; final_only: the final state written to one plane).
   Reports tokens/s over all rows.
+- tune: the recurrent kernel's block_v (Dv columns per program) and num_warps at batch 1 and 32.
 - crossover: recurrent against chunked implementations on final_only calls of 16..512 tokens at batch 1 and 8,
   to place `jaxmodel.delta_rule.GPU_CHUNKED_MIN_TOKENS`.
 Times are medians over repeats of warm (compiled) calls; decode steps run `--inner` times inside one jitted
@@ -28,8 +30,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from bench import median_seconds
+from bench import copy_bandwidth, median_seconds
 from jaxmodel.delta_rule import gated_delta_rule
+from jaxmodel.kernels.gdn_recurrent import gdn_recurrent
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,10 @@ class Plan:
     decode_impls: tuple[str, ...]
     prefill_impls: tuple[str, ...]
     crossover_impls: tuple[str, ...]
+    tune_batches: tuple[int, ...]
+    tune_tokens: tuple[int, ...]
+    tune_block_v: tuple[int, ...]
+    tune_warps: tuple[int, ...]
     dtype: str
     repeats: int
     inner: int
@@ -95,16 +102,17 @@ def make_inputs(key, shapes: Shapes, n_rows: int, n_tokens: int, final_only: boo
     return q, k, v, g, beta, pool.at[0].set(0.0), read_plane, write_planes
 
 
-def time_steps(args, impl: str, final_only: bool, repeats: int, inner: int) -> float:
-    """Seconds per call of `gated_delta_rule`, `inner` calls chained through the pool inside one jit."""
+def time_steps(args, impl: str, final_only: bool, repeats: int, inner: int, rule=None) -> float:
+    """Seconds per call of `gated_delta_rule` (or `rule`, same arguments), `inner` calls chained through the
+    pool inside one jit."""
     q, k, v, g, beta, pool, read_plane, write_planes = args
+    rule = rule or functools.partial(gated_delta_rule, final_only=final_only, impl=impl)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def loop(pool):
         def body(_, carry):
             pool, checksum = carry
-            out, pool = gated_delta_rule(q, k, v, g, beta, pool, read_plane, write_planes, final_only=final_only,
-                                         impl=impl)
+            out, pool = rule(q, k, v, g, beta, pool, read_plane, write_planes)
             return pool, checksum + jnp.sum(out)
 
         return jax.lax.fori_loop(0, inner, body, (pool, jnp.float32(0)))
@@ -118,8 +126,9 @@ def time_steps(args, impl: str, final_only: bool, repeats: int, inner: int) -> f
     return median_seconds(run, repeats) / inner
 
 
-def bench_decode(plan: Plan, key) -> list[dict]:
-    """Verify/decode steps: time, state bytes moved and achieved bandwidth per (impl, batch, T)."""
+def bench_decode(plan: Plan, key, copy_bytes_per_s: float) -> list[dict]:
+    """Verify/decode steps: time, state bytes moved, achieved bandwidth and its share of a plain copy's, per
+    (impl, batch, T)."""
     rows = []
     for n_rows in plan.batches:
         for n_tokens in plan.decode_tokens:
@@ -127,10 +136,32 @@ def bench_decode(plan: Plan, key) -> list[dict]:
             state_bytes = n_rows * (1 + n_tokens) * plan.shapes.state_bytes
             for impl in plan.decode_impls:
                 seconds = time_steps(args, impl, False, plan.repeats, plan.inner)
+                share = state_bytes / seconds / copy_bytes_per_s
                 rows.append(dict(impl=impl, batch=n_rows, tokens=n_tokens, seconds=seconds, state_bytes=state_bytes,
-                                 state_gb_per_s=state_bytes / seconds / 1e9))
+                                 state_gb_per_s=state_bytes / seconds / 1e9, share_of_copy=share))
                 print(f"decode  {impl:17s} B={n_rows:3d} T={n_tokens:2d}  {seconds * 1e6:9.1f} us  "
-                      f"{state_bytes / seconds / 1e9:8.1f} GB/s", flush=True)
+                      f"{state_bytes / seconds / 1e9:8.1f} GB/s  {share:6.1%} of copy", flush=True)
+            del args
+    return rows
+
+
+def bench_tune(plan: Plan, key, copy_bytes_per_s: float) -> list[dict]:
+    """The recurrent kernel's launch parameters (Dv columns per program, warps per program) on snapshot steps."""
+    rows = []
+    for n_rows in plan.tune_batches:
+        for n_tokens in plan.tune_tokens:
+            args = make_inputs(key, plan.shapes, n_rows, n_tokens, False, plan.dtype)
+            state_bytes = n_rows * (1 + n_tokens) * plan.shapes.state_bytes
+            for block_v in plan.tune_block_v:
+                for num_warps in plan.tune_warps:
+                    rule = functools.partial(gdn_recurrent, block_v=block_v, num_warps=num_warps,
+                                             interpret=jax.default_backend() != "gpu")
+                    seconds = time_steps(args, "pallas_recurrent", False, plan.repeats, plan.inner, rule=rule)
+                    share = state_bytes / seconds / copy_bytes_per_s
+                    rows.append(dict(batch=n_rows, tokens=n_tokens, block_v=block_v, num_warps=num_warps,
+                                     seconds=seconds, share_of_copy=share))
+                    print(f"tune    B={n_rows:3d} T={n_tokens:2d} block_v={block_v:3d} warps={num_warps}  "
+                          f"{seconds * 1e6:9.1f} us  {share:6.1%} of copy", flush=True)
             del args
     return rows
 
@@ -157,13 +188,14 @@ def make_plan(small: bool, repeats: int | None, dtype: str) -> Plan:
         return Plan(TINY, batches=(2,), decode_tokens=(1, 4), prefill_tokens=(64,), crossover_tokens=(48,),
                     crossover_batches=(1,), decode_impls=("pallas_recurrent", "scan"),
                     prefill_impls=("pallas_chunked", "chunked"),
-                    crossover_impls=("pallas_recurrent", "pallas_chunked", "scan", "chunked"), dtype=dtype,
+                    crossover_impls=("pallas_recurrent", "pallas_chunked", "scan", "chunked"),
+                    tune_batches=(1,), tune_tokens=(2,), tune_block_v=(8, 16), tune_warps=(1,), dtype=dtype,
                     repeats=repeats or 2, inner=2)
     return Plan(QWEN3_NEXT_80B, batches=(1, 8, 32), decode_tokens=(1, 4, 8), prefill_tokens=(1024, 4096),
                 crossover_tokens=(16, 32, 64, 128, 256, 512), crossover_batches=(1, 8),
                 decode_impls=("pallas_recurrent", "scan"), prefill_impls=("pallas_chunked", "chunked"),
-                crossover_impls=("pallas_recurrent", "pallas_chunked"), dtype=dtype, repeats=repeats or 10,
-                inner=20)
+                crossover_impls=("pallas_recurrent", "chunked"), tune_batches=(1, 32), tune_tokens=(1, 4),
+                tune_block_v=(8, 16, 32, 64), tune_warps=(1, 2, 4), dtype=dtype, repeats=repeats or 10, inner=20)
 
 
 def main(argv=None) -> None:
@@ -173,7 +205,7 @@ def main(argv=None) -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (runs on CPU, Pallas interpreted)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of q, k, v")
-    parser.add_argument("--skip", nargs="*", default=(), choices=("decode", "prefill", "crossover"))
+    parser.add_argument("--skip", nargs="*", default=(), choices=("decode", "tune", "prefill", "crossover"))
     args = parser.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
@@ -185,17 +217,25 @@ def main(argv=None) -> None:
         environment=dict(jax=jax.__version__, backend=jax.default_backend(), device=jax.devices()[0].device_kind,
                          python=platform.python_version(), pallas_interpreted=not on_gpu),
         plan=asdict(plan),
+        copy_gb_per_s=copy_bandwidth(1 << (30 if on_gpu else 24)) / 1e9,
     )
+    print(f"copy: {results['copy_gb_per_s']:.0f} GB/s (read + written)", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save = lambda: args.out.write_text(json.dumps(results, indent=1))
     if "decode" not in args.skip:
-        results["decode"] = bench_decode(plan, key)
+        results["decode"] = bench_decode(plan, key, results["copy_gb_per_s"] * 1e9)
+        save()
+    if "tune" not in args.skip:
+        results["tune"] = bench_tune(plan, key, results["copy_gb_per_s"] * 1e9)
+        save()
     if "prefill" not in args.skip:
         results["prefill"] = bench_prefill(plan, key, plan.batches, plan.prefill_tokens, plan.prefill_impls,
                                            "prefill")
+        save()
     if "crossover" not in args.skip:
         results["crossover"] = bench_prefill(plan, key, plan.crossover_batches, plan.crossover_tokens,
                                              plan.crossover_impls, "crossover")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
+    save()
     print(f"wrote {args.out}")
 
 

@@ -124,6 +124,8 @@ def run(args) -> dict:
                             "rollback_steps": runs[-1]["rollback_steps"],
                             "generated": sum(len(t) for t in runs[-1]["tokens"])}  # fmt: skip
                     out["cells"].append(cell)
+                    if args.out:
+                        save_json(out, args.out)  # a run cut short keeps the cells it finished
                     print(f"{n_streams:3d} streams {policy:12s} {mode:10s}: {cell['tokens_per_s']:8.1f} tokens/s "
                           f"[{cell['min']:.1f}, {cell['max']:.1f}]  drafted {cell['drafted']}, accepted "
                           f"{cell['accepted']} of {cell['generated']} tokens, rollback steps "

@@ -2,7 +2,9 @@
 
     python -m bench.step --model bench/out/qwen35-0.8b-f32.gguf --out bench/results/step-cpu.json
 
-Each measurement runs warm (compiled beforehand) steps over sequences holding `--context` tokens.
+Each measurement runs warm (compiled beforehand) steps over sequences holding `--context` tokens. The JSON also
+gives the weights' bytes and the decode roofline at batch 1: those bytes over the device's copy bandwidth
+(`bench.copy_bandwidth`), the least time a step that reads every weight once can take.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import jax
 import numpy as np
 
 from jaxmodel import load_model
+from jaxmodel.precision import default_weight_dtype
 from jaxmodel.state import Row, bucket, pack_batch
-from bench import save_json
+from bench import copy_bandwidth, save_json
 
 
 def _prefilled(model, n_seqs: int, context: int, page_size: int = 16):
@@ -33,8 +36,11 @@ def _prefilled(model, n_seqs: int, context: int, page_size: int = 16):
     return state, pages
 
 
-def time_steps(model, n_seqs: int, T: int, context: int, steps: int) -> float:
-    """Seconds per step of n_seqs rows feeding T tokens each (writing T snapshot planes... ping-pong)."""
+def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: str | None = None
+               ) -> tuple[float, float]:
+    """Seconds per step of n_seqs rows feeding T tokens each (snapshot planes, ping-pong): the host's view
+    (packing each batch on the host and reading the logits back every step) and the device's (the same packed
+    batch dispatched `steps` times, read back once). hlo_path: write the compiled step's HLO there."""
     state, pages = _prefilled(model, n_seqs, context)
     rng = np.random.default_rng(1)
 
@@ -53,7 +59,19 @@ def time_steps(model, n_seqs: int, T: int, context: int, steps: int) -> float:
     for i in range(steps):
         out, state = model.step(model.weights, batch=batch(i + 1), state=state)
         np.asarray(out.logits)  # the host needs the logits every step
-    return (time.perf_counter() - start) / steps
+    host = (time.perf_counter() - start) / steps
+    fixed = jax.device_put(batch(1))
+    if hlo_path:
+        text = model.step.lower(model.weights, batch=fixed, state=state).compile().as_text()
+        with open(hlo_path, "w") as f:
+            f.write(text)
+        kinds = {kind: text.count(f" {kind}(") for kind in ("fusion", "custom-call", "while", "conditional")}
+        print(f"compiled step B={n_seqs} T={T}: {kinds} (HLO in {hlo_path})", flush=True)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out, state = model.step(model.weights, batch=fixed, state=state)
+    jax.block_until_ready(out.logits)
+    return host, (time.perf_counter() - start) / steps
 
 
 def main(argv=None) -> dict:
@@ -64,8 +82,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--verify-t", default="1,2,4,8")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--hlo", default=None, help="write the compiled batch-1 decode step's HLO text here")
+    parser.add_argument("--weight-dtype", default=None, choices=("float32", "bfloat16"),
+                        help="matmul weights (default: the backend's, see jaxmodel/precision.py)")
     args = parser.parse_args(argv)
-    model = load_model(args.model)
+    model = load_model(args.model, weight_dtype=args.weight_dtype)
+    weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(model.weights))
+    copy_bytes_per_s = copy_bandwidth(1 << (30 if jax.default_backend() == "gpu" else 26))
+    roofline_ms = weight_bytes / copy_bytes_per_s * 1e3
+    print(f"weights {weight_bytes / 1e9:.2f} GB, copy {copy_bytes_per_s / 1e9:.0f} GB/s: roofline "
+          f"{roofline_ms:.2f} ms/token at batch 1", flush=True)
     results = {
         "model": os.path.basename(args.model),
         "backend": jax.default_backend(),
@@ -73,19 +99,29 @@ def main(argv=None) -> dict:
         "machine": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "context": args.context,
+        "weight_dtype": args.weight_dtype or default_weight_dtype(),
+        "weight_bytes": weight_bytes,
+        "copy_gb_per_s": copy_bytes_per_s / 1e9,
+        "roofline_ms": roofline_ms,
         "decode": [],
         "verify": [],
     }
     for b in map(int, args.batches.split(",")):
-        sec = time_steps(model, b, 1, args.context, args.steps)
-        results["decode"].append({"batch": b, "step_ms": sec * 1e3, "tokens_per_s": b / sec})
-        print(f"decode  batch {b:3d}: {sec * 1e3:8.1f} ms/step  {b / sec:8.2f} tokens/s", flush=True)
-    base = None
+        sec, device = time_steps(model, b, 1, args.context, args.steps, args.hlo if b == 1 else None)
+        results["decode"].append({"batch": b, "step_ms": sec * 1e3, "device_step_ms": device * 1e3,
+                                  "tokens_per_s": b / sec, "over_roofline": sec * 1e3 / roofline_ms,
+                                  "device_over_roofline": device * 1e3 / roofline_ms})
+        print(f"decode  batch {b:3d}: {sec * 1e3:8.2f} ms/step  {b / sec:8.2f} tokens/s  "
+              f"{sec * 1e3 / roofline_ms:5.2f}x roofline; device alone {device * 1e3:8.2f} ms  "
+              f"{device * 1e3 / roofline_ms:5.2f}x", flush=True)
+    base = base_device = None
     for t in map(int, args.verify_t.split(",")):
-        sec = time_steps(model, 1, t, args.context, args.steps)
-        base = base or sec
-        results["verify"].append({"T": t, "step_ms": sec * 1e3, "ratio_to_T1": sec / base})
-        print(f"verify  T {t:3d}: {sec * 1e3:8.1f} ms/step  {sec / base:5.2f}x T=1", flush=True)
+        sec, device = time_steps(model, 1, t, args.context, args.steps)
+        base, base_device = base or sec, base_device or device
+        results["verify"].append({"T": t, "step_ms": sec * 1e3, "ratio_to_T1": sec / base,
+                                  "device_step_ms": device * 1e3, "device_ratio_to_T1": device / base_device})
+        print(f"verify  T {t:3d}: {sec * 1e3:8.2f} ms/step  {sec / base:5.2f}x T=1; device alone "
+              f"{device * 1e3:8.2f} ms  {device / base_device:5.2f}x", flush=True)
     if args.out:
         save_json(results, args.out)
     return results

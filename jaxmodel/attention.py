@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmodel.kernels.paged_attention import (
+    HIGHEST,
     MASK_VALUE,
     live_pages,
     paged_attention_kernel,
@@ -57,14 +58,14 @@ def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, page
         pages = jax.lax.dynamic_slice_in_dim(table, j * block, block, axis=1)  # [B, PB]
         keys = k_pages[pages].reshape(B, block_keys, n_kv_heads, D).astype(jnp.float32)  # [B, PB*S, Hkv, D]
         values = v_pages[pages].reshape(B, block_keys, n_kv_heads, D).astype(jnp.float32)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) * (D**-0.5)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, precision=HIGHEST) * (D**-0.5)
         key_pos = j * block_keys + jnp.arange(block_keys)
         causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, PB*S]
         scores = jnp.where(causal[:, None, None], scores, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(scores, axis=-1))
         correction = jnp.exp(m - m_next)
         p = jnp.exp(scores - m_next[..., None])
-        acc = correction[..., None] * acc + jnp.einsum("bkgts,bskd->bkgtd", p, values)
+        acc = correction[..., None] * acc + jnp.einsum("bkgts,bskd->bkgtd", p, values, precision=HIGHEST)
         return m_next, correction * l + jnp.sum(p, axis=-1), acc
 
     stats = (B, n_kv_heads, H // n_kv_heads, T)

@@ -19,9 +19,16 @@ def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
     return x.astype(jnp.bfloat16) if w.dtype == jnp.bfloat16 else x
 
 
+def matmul_precision(w: jax.Array) -> jax.lax.Precision:
+    """float32 weights get IEEE float32 products everywhere (a GPU's default for float32 is TF32, which would break
+    parity with llama.cpp); bf16 and f16 weights run at the backend's native rate."""
+    return jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
 def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
     """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32."""
-    y = jnp.einsum("...i,io->...o", as_matmul_input(x, w), w, preferred_element_type=jnp.float32)
+    y = jnp.einsum("...i,io->...o", as_matmul_input(x, w), w, preferred_element_type=jnp.float32,
+                   precision=matmul_precision(w))
     return y if bias is None else y + bias
 
 

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .layers import as_matmul_input, dense_ffn, linear
+from .layers import as_matmul_input, dense_ffn, linear, matmul_precision
 from .weights import DenseFfn, MoeFfn
 
 GATHER_MAX_TOKENS = 4  # steps with at most this many tokens read each pair's expert on its own
@@ -44,8 +44,10 @@ def moe_ffn_dense(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     top_i, top_w = route(w, cfg, x)
     weights = jnp.sum(jax.nn.one_hot(top_i, cfg.n_expert, dtype=x.dtype) * top_w[..., None], axis=-2)  # [..., X]
     xg, xu = as_matmul_input(x, w.gate), as_matmul_input(x, w.up)
-    hidden = jax.nn.silu(jnp.einsum("...e,xef->...xf", xg, w.gate)) * jnp.einsum("...e,xef->...xf", xu, w.up)
-    per_expert = jnp.einsum("...xf,xfe->...xe", as_matmul_input(hidden, w.down), w.down)
+    hidden = (jax.nn.silu(jnp.einsum("...e,xef->...xf", xg, w.gate, precision=matmul_precision(w.gate)))
+              * jnp.einsum("...e,xef->...xf", xu, w.up, precision=matmul_precision(w.up)))
+    per_expert = jnp.einsum("...xf,xfe->...xe", as_matmul_input(hidden, w.down), w.down,
+                            precision=matmul_precision(w.down))
     routed = jnp.einsum("...xe,...x->...e", per_expert, weights)
     return routed + shared_expert(w, x)
 

@@ -8,6 +8,8 @@ slower than its float32 ones, so weights stay float32 there (dequantised from th
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,13 @@ KEPT_FLOAT32 = frozenset({"conv", "router"})
 
 
 def default_weight_dtype(backend: str | None = None) -> str:
-    """bfloat16 on GPU and TPU, float32 on CPU (the current default backend when none is given)."""
+    """$GDNSPEC_WEIGHT_DTYPE if set; else bfloat16 on GPU and TPU, float32 on CPU (the current default backend
+    when none is given)."""
+    chosen = os.environ.get("GDNSPEC_WEIGHT_DTYPE")
+    if chosen:
+        if chosen not in WEIGHT_DTYPES:
+            raise ValueError(f"GDNSPEC_WEIGHT_DTYPE={chosen!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
+        return chosen
     return "float32" if (backend or jax.default_backend()) == "cpu" else "bfloat16"
 
 

@@ -41,6 +41,13 @@ PRESETS: dict[str, ModelConfig] = {
         ssm_groups=16, ssm_heads=16, recurrent=_every_fourth_attention(24), context_length=32768,
         n_ff=3584,
     ),
+    # Qwen3.5-4B's layer shapes (32 layers, every 4th full attention; Hv = 2 Hk), with a smaller vocabulary.
+    "qwen35-4b": ModelConfig(
+        arch="qwen35", n_vocab=32768, n_embd=2560, n_layer=32, n_mtp=1, n_head=16, n_head_kv=4, head_dim=256,
+        rope_dim=64, rope_theta=1e7, rope_sections=(11, 11, 10, 0), norm_eps=1e-6, conv_kernel=4, ssm_state=128,
+        ssm_groups=16, ssm_heads=32, recurrent=_every_fourth_attention(32), context_length=32768,
+        n_ff=9216,
+    ),
     # The qwen3next parity fixture's shapes: value heads grouped by key head in the file, NEOX rope, MoE
     # (4 experts, 2 used, and a shared expert) in every layer, the MTP layer included.
     "qwen3next-tiny": ModelConfig(

@@ -1,11 +1,21 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 DATA = Path(__file__).parent / "data"
+
+# Pallas kernels run compiled on a GPU and interpreted elsewhere (CPU CI checks them that way).
+INTERPRET = jax.default_backend() != "gpu"
+# The suite checks float32 semantics on every backend: float32 weights (a GPU's default is bf16; the bf16 path has
+# its own parity test) and IEEE float32 products (a GPU's default for float32 dots is TF32).
+os.environ.setdefault("GDNSPEC_WEIGHT_DTYPE", "float32")
+if jax.default_backend() == "gpu":
+    jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def fixture(name: str) -> dict[str, np.ndarray]:

@@ -88,7 +88,7 @@ def test_choose_implementation():
     assert choose_implementation("cpu", delta_rule.CPU_CHUNKED_MIN_TOKENS, True) == "chunked"
     assert choose_implementation("gpu", 8, False) == "pallas_recurrent"
     assert choose_implementation("gpu", 4096, False) == "pallas_recurrent"
-    assert choose_implementation("gpu", delta_rule.GPU_CHUNKED_MIN_TOKENS, True) == "pallas_chunked"
+    assert choose_implementation("gpu", delta_rule.GPU_CHUNKED_MIN_TOKENS, True) == "chunked"
     assert choose_implementation("gpu", 1, True) == "pallas_recurrent"
 
 

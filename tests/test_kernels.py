@@ -1,11 +1,11 @@
-"""The Pallas kernels against the reference, in interpret mode, and their lowering to Triton for GPUs."""
+"""The Pallas kernels against the reference (compiled on a GPU, interpreted elsewhere), and their lowering to Triton."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import check_against_reference
+from conftest import INTERPRET, check_against_reference
 from jaxmodel.delta_rule import gated_delta_rule
 from jaxmodel.kernels.gdn_chunked import gdn_chunked, unit_lower_inverse
 from jaxmodel.kernels.gdn_recurrent import gdn_recurrent
@@ -16,7 +16,7 @@ from jaxmodel.kernels.problems import random_problem
                                                  (200, 16, 16), (5, 32, None), (5, 128, 64)])
 def test_recurrent_kernel_matches_reference(n_tokens, dk, block_v):
     problem = random_problem(40 + n_tokens, n_tokens=n_tokens, dk=dk, dv=dk)
-    outputs, pool = gdn_recurrent(*problem.args, block_v=block_v, interpret=True)
+    outputs, pool = gdn_recurrent(*problem.args, block_v=block_v, interpret=INTERPRET)
     check_against_reference(problem, outputs, pool, final_only=False)
 
 
@@ -24,7 +24,7 @@ def test_recurrent_kernel_matches_reference(n_tokens, dk, block_v):
                                                (64, 128, 16)])
 def test_chunked_kernel_matches_reference(n_tokens, dk, chunk):
     problem = random_problem(50 + n_tokens, n_tokens=n_tokens, dk=dk, dv=dk, final_only=True)
-    outputs, pool = gdn_chunked(*problem.args, chunk=chunk, interpret=True)
+    outputs, pool = gdn_chunked(*problem.args, chunk=chunk, interpret=INTERPRET)
     check_against_reference(problem, outputs, pool, final_only=True)
 
 

@@ -1,5 +1,5 @@
-"""Attention over the paged KV cache: the jnp block loop and the Pallas kernel (interpret mode) against the
-full-table reference, the loop bound, the dispatch, and the kernel's lowering to Triton."""
+"""Attention over the paged KV cache: the jnp block loop and the Pallas kernel (compiled on a GPU, interpreted
+elsewhere) against the full-table reference, the loop bound, the dispatch, and the kernel's lowering to Triton."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import INTERPRET
 from jaxmodel import attention
 from jaxmodel.attention import attend, attention_blocked, choose_implementation
 from jaxmodel.kernels.paged_attention import live_pages, paged_attention_kernel, paged_attention_reference
@@ -136,7 +137,7 @@ KERNEL_CASES = ["decode", "decode-padding-rows", "verify-ragged", "verify-16", "
 def test_kernel_matches_reference(name, pages_per_block):
     starts, n_tokens, T, P, H, Hkv, D = CASES[name]
     case = random_case(len(name), starts=starts, n_tokens=n_tokens, T=T, P=P, H=H, Hkv=Hkv, D=D)
-    out = np.asarray(paged_attention_kernel(*case.args, pages_per_block=pages_per_block, interpret=True))
+    out = np.asarray(paged_attention_kernel(*case.args, pages_per_block=pages_per_block, interpret=INTERPRET))
     check_valid_tokens(out, case)
     np.testing.assert_array_equal(out[~case.valid], 0.0)
 
@@ -146,7 +147,7 @@ def test_kernel_reads_only_each_rows_own_live_pages():
     case = random_case(8, starts=[95, 20, 0], n_tokens=[1, 2, 0], T=2, P=32)
     poisoned = poison_unread(case, 2, per_row=True)
     assert np.isnan(attention_blocked(*poisoned.args, pages_per_block=2)[1]).any()  # the batch-wide bound reads them
-    out = np.asarray(paged_attention_kernel(*poisoned.args, pages_per_block=2, interpret=True))
+    out = np.asarray(paged_attention_kernel(*poisoned.args, pages_per_block=2, interpret=INTERPRET))
     check_valid_tokens(out, case)
 
 
@@ -208,5 +209,6 @@ def test_layer_matches_the_full_table_form(tiny_model, monkeypatch):
     y_ref, k_ref, v_ref = step()
     np.testing.assert_allclose(np.asarray(y)[np.asarray(valid)], np.asarray(y_ref)[np.asarray(valid)], atol=TOL,
                                rtol=TOL)  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(k_new), np.asarray(k_ref))
-    np.testing.assert_array_equal(np.asarray(v_new), np.asarray(v_ref))
+    # Page 0 is the trash page: which padding token's K/V lands there last is unspecified (GPU scatters differ).
+    np.testing.assert_array_equal(np.asarray(k_new)[1:], np.asarray(k_ref)[1:])
+    np.testing.assert_array_equal(np.asarray(v_new)[1:], np.asarray(v_ref)[1:])

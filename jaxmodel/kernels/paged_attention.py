@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 # Finite, so that a query with nothing to attend to yet (a padding row, or a block entirely in its future)
 # gives exp(0) instead of exp(-inf - -inf) = nan; masked keys still get exactly 0 once a real key was seen.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+HIGHEST = jax.lax.Precision.HIGHEST  # IEEE float32 on GPU (its default for float32 dots is TF32)
 
 
 def live_pages(positions: jax.Array, valid: jax.Array, page_size: int) -> jax.Array:
@@ -49,12 +50,12 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, positions):
     keys = k_pages[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)  # [B, P*S, Hkv, D]
     values = v_pages[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)
     q = q.reshape(B, T, Hkv, H // Hkv, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys) * (D**-0.5)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, precision=HIGHEST) * (D**-0.5)
     key_pos = jnp.arange(keys.shape[1])
     causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, P*S]
     scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, values).reshape(B, T, H, D)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, values, precision=HIGHEST).reshape(B, T, H, D)
 
 
 def _paged_attention_kernel(
