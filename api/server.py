@@ -28,7 +28,7 @@ from anyio.abc import TaskGroup
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from scheduler.engine import Engine, GenerationRequest, RequestTiming
+from scheduler import Engine, GenerationRequest, RequestTiming
 from jaxmodel.runtime import Sampling
 from scheduler.types import DoneEvent, TokensEvent
 from drafters.policy import SpeculativeConfig
@@ -273,14 +273,13 @@ class Server:
         speculative = None
         if spec is not None and spec.drafters:
             speculative = SpeculativeConfig(tuple(spec.drafters), n_max=spec.n_max, n_min=max(spec.n_min, 1),
-                                            p_min=spec.p_min)  # fmt: skip
+                                            p_min=spec.p_min, rollback=spec.rollback)  # fmt: skip
         return GenerationRequest(
             prompt_ids=tuple(ids),
             max_tokens=request.max_tokens,
             sampling=Sampling(request.temperature, request.top_p, request.top_k, request.seed),
             stop=request.stop,
             speculative=speculative,
-            rollback=spec.rollback if spec is not None else "auto",
         )
 
     async def _run(self, request: GenerateRequest, client: _Client) -> None:

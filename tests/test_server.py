@@ -17,7 +17,7 @@ from api.protocol import Defaults, Limits, ServerSettings, Speculative
 from api.server import Server, listening
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler.engine import Engine
+from scheduler import Engine
 
 
 @pytest.fixture(scope="module")
