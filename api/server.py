@@ -86,18 +86,21 @@ def resident_bytes() -> int:
 
 
 def limited_to(settings: ServerSettings, engine: Engine) -> ServerSettings:
-    """`settings` with limits no wider than the engine serves: its drafters, its longest draft, its vocabulary.
-    The protocol checks requests against the limits alone, so what it accepts the engine serves as asked.
-    ValueError when the limits name another vocabulary or the defaults need what the engine lacks."""
+    """`settings` with limits no wider than the engine serves: its drafters, its longest draft, its context (a
+    prompt leaves room for one token) and its vocabulary. The protocol checks requests against the limits alone,
+    so what it accepts the engine serves as asked. ValueError when the limits name another vocabulary or the
+    defaults need what the engine lacks."""
     lim, vocab = settings.limits, engine.model.cfg.n_vocab
     if lim.vocab_size not in (None, vocab):
         raise ValueError(f"limits.vocab_size {lim.vocab_size} is not the model's {vocab}")
     limits = msgspec.structs.replace(
         lim, known_drafters=tuple(name for name in lim.known_drafters if name in engine.drafters),
-        max_n_max=min(lim.max_n_max, engine.n_max), vocab_size=vocab)  # fmt: skip
-    if (limits.known_drafters, limits.max_n_max) != (lim.known_drafters, lim.max_n_max):
-        log.info("limits narrowed to the engine: drafters %s, max_n_max %d", list(limits.known_drafters),
-                 limits.max_n_max)  # fmt: skip
+        max_n_max=min(lim.max_n_max, engine.n_max),
+        max_prompt_tokens=min(lim.max_prompt_tokens, engine.scheduler.max_model_len - 1), vocab_size=vocab)
+    narrowed = [f"{name} {getattr(limits, name)}" for name in ("known_drafters", "max_n_max", "max_prompt_tokens")
+                if getattr(limits, name) != getattr(lim, name)]
+    if narrowed:
+        log.info("limits narrowed to the engine: %s", ", ".join(narrowed))
     return ServerSettings(settings.defaults, limits)
 
 

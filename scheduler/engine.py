@@ -480,4 +480,3 @@ class Engine:
             raise ValueError(f"drafters {unknown} are not among this engine's {list(self.drafters)}")
         if spec.n_max > self.n_max:
             raise ValueError(f"n_max {spec.n_max} exceeds this engine's {self.n_max}")
-

@@ -182,7 +182,8 @@ def test_limits_are_held_to_what_the_engine_serves(model, tokenizer):
     engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64, n_max=3)
     wide = ServerSettings(defaults=Defaults(n_max=3), limits=Limits(known_drafters=("ngram", "mtp", "eagle")))
     limits = Server(engine, tokenizer, wide).settings.limits
-    assert (limits.known_drafters, limits.max_n_max, limits.vocab_size) == (("ngram", "mtp"), 3, model.cfg.n_vocab)
+    assert (limits.known_drafters, limits.max_n_max, limits.max_prompt_tokens, limits.vocab_size) == (
+        ("ngram", "mtp"), 3, 63, model.cfg.n_vocab)
     with pytest.raises(ValueError, match="vocab_size"):
         Server(engine, tokenizer, ServerSettings(defaults=Defaults(n_max=3), limits=Limits(vocab_size=100)))
     with pytest.raises(ValueError, match="known_drafters"):
