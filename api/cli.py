@@ -70,11 +70,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:
+    from drafters.policy import ROLLBACK_MODES
+
     p.add_argument("--drafters", help="comma-separated, in order of preference; 'none' for plain decoding")
     p.add_argument("--n-max", type=int)
     p.add_argument("--n-min", type=int)
     p.add_argument("--p-min", type=float)
-    p.add_argument("--rollback", choices=["auto", "snapshot", "checkpoint"])
+    p.add_argument("--rollback", choices=ROLLBACK_MODES)
 
 
 def _policy(text: str):
@@ -111,18 +113,17 @@ def _serve(args) -> int:
     engine, tokenizer = _build_engine(args)
     known = tuple(name for name in engine.drafters if name != "synthetic")
     drafters = tuple(d for d in args.default_drafters.split(",") if d) if args.default_drafters != "none" else ()
-    missing = [d for d in drafters if d not in known]
-    if missing:
-        raise SystemExit(f"--default-drafters {missing} not available (this model offers {', '.join(known)})")
-    settings = ServerSettings(
-        defaults=Defaults(drafters=drafters, max_tokens=min(args.default_max_tokens, args.max_model_len),
-                          n_max=min(4, args.max_n_max)),
-        limits=Limits(max_prompt_tokens=args.max_model_len - 1, max_prompt_chars=args.max_prompt_chars,
-                      max_max_tokens=args.max_model_len, max_message_bytes=args.max_message_bytes,
-                      max_in_flight=args.max_in_flight, max_connections=args.max_connections,
-                      max_queued=args.max_queued, max_n_max=args.max_n_max, known_drafters=known,
-                      vocab_size=engine.model.cfg.n_vocab),
-    )  # fmt: skip
+    try:
+        settings = ServerSettings(
+            defaults=Defaults(drafters=drafters, max_tokens=min(args.default_max_tokens, args.max_model_len),
+                              n_max=min(4, args.max_n_max)),
+            limits=Limits(max_prompt_tokens=args.max_model_len - 1, max_prompt_chars=args.max_prompt_chars,
+                          max_max_tokens=args.max_model_len, max_message_bytes=args.max_message_bytes,
+                          max_in_flight=args.max_in_flight, max_connections=args.max_connections,
+                          max_queued=args.max_queued, max_n_max=args.max_n_max, known_drafters=known),
+        )  # fmt: skip
+    except ValueError as exc:  # e.g. --default-drafters naming one this model lacks
+        raise SystemExit(f"server settings: {exc}") from None
     access = Access.from_env(args.api_key, args.allow_origin)
     if args.warmup_first:
         start = time.perf_counter()
@@ -195,7 +196,7 @@ def _generate(args) -> int:
         known = tuple(engine.drafters)
         settings = ServerSettings(defaults=Defaults(drafters=(), max_tokens=1), limits=Limits(
             max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len, known_drafters=known,
-            max_n_max=args.max_n_max, vocab_size=engine.model.cfg.n_vocab))  # fmt: skip
+            max_n_max=args.max_n_max))  # fmt: skip
         async with engine, listening(Server(engine, tokenizer, settings)) as (url, _):
             return await over_client(url)
 

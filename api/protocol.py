@@ -8,9 +8,10 @@ Server -> client: ``tokens`` (a streamed chunk), ``done`` (the last frame of a r
 frame or request; with an id it is the last frame of that request, except ``unknown_id``), ``stats``.
 
 The server plugs in through :class:`Connection`, a Sans-I/O object holding one typed decoder and the ids in
-flight: ``connection.receive(frame)`` returns a resolved :class:`GenerateRequest`, a :class:`Cancel`, a
-:class:`StatsRequest`, or an :class:`Error` to send back. ``python -m api.protocol --schema`` prints the JSON
-Schema (docs/protocol.schema.json).
+flight: ``connection.receive(frame)`` returns a resolved :class:`GenerateRequest` (its sampling a
+`jaxmodel.runtime.Sampling`, its speculative settings a `drafters.policy.SpeculativeConfig`, as the engine takes
+them), a :class:`Cancel`, a :class:`StatsRequest`, or an :class:`Error` to send back. ``python -m api.protocol
+--schema`` prints the JSON Schema (docs/protocol.schema.json).
 """
 
 from __future__ import annotations
@@ -26,17 +27,19 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from drafters.policy import InvalidSetting, Rollback, SpeculativeConfig
+from jaxmodel.runtime import Sampling
+from scheduler.types import FinishReason
+
 __all__ = [
     "ChatMessage", "Speculative", "Generate", "Cancel", "StatsRequest", "ClientMessage",
     "Usage", "DrafterStats", "RollbackSteps", "SpecStats", "Timings", "Failure", "Tokens", "Done", "Error", "Stats",
     "ServerMessage",
     "Rollback", "FinishReason", "ErrorCode", "ERROR_CODES",
-    "Defaults", "Limits", "ServerSettings", "SpeculativePolicy", "GenerateRequest",
+    "Defaults", "Limits", "ServerSettings", "GenerateRequest",
     "resolve_generate", "check_prompt_tokens", "error", "Connection", "schema", "schema_json",
 ]
 
-Rollback = Literal["auto", "snapshot", "checkpoint"]
-FinishReason = Literal["stop", "length", "cancelled", "error"]
 ErrorCode = Literal[
     "bad_json", "bad_message", "bad_value", "unknown_drafter", "prompt_too_long", "too_many_requests",
     "duplicate_id", "unknown_id", "message_too_large", "overloaded", "internal",
@@ -77,7 +80,7 @@ class Speculative(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults
         | None
     ) = None
     n_max: Annotated[int, Meta(ge=1, le=MAX_INT32, description="Longest draft per step.")] | None = None
-    n_min: Annotated[int, Meta(ge=0, le=MAX_INT32, description="Shortest draft worth verifying.")] | None = None
+    n_min: Annotated[int, Meta(ge=1, le=MAX_INT32, description="Shortest draft worth verifying.")] | None = None
     p_min: (
         Annotated[float, Meta(ge=0.0, le=1.0, description="Stop drafting below this draft probability.")] | None
     ) = None
@@ -270,37 +273,24 @@ class ServerSettings(Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"default drafters {unknown} are not in known_drafters {list(lim.known_drafters)}")
         if not 1 <= d.max_tokens <= lim.max_max_tokens:
             raise ValueError(f"default max_tokens {d.max_tokens} is not in [1, {lim.max_max_tokens}]")
-        if not 0 <= d.n_min <= d.n_max <= lim.max_n_max:
-            raise ValueError(f"defaults need 0 <= n_min {d.n_min} <= n_max {d.n_max} <= {lim.max_n_max}")
-
-
-@dataclass(frozen=True)
-class SpeculativePolicy:
-    """A resolved speculative policy: drafters in order, draft lengths, draft probability floor, rollback mode."""
-
-    drafters: tuple[str, ...]
-    n_max: int
-    n_min: int
-    p_min: float
-    rollback: Rollback
+        if not 1 <= d.n_min <= d.n_max <= lim.max_n_max:
+            raise ValueError(f"defaults need 1 <= n_min {d.n_min} <= n_max {d.n_max} <= {lim.max_n_max}")
 
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """A validated ``generate`` with every default filled in. Exactly one of prompt / prompt_ids / messages is
-    set; ``speculative`` is None for plain decoding."""
+    """A validated ``generate`` with every default filled in: the engine's request (`scheduler.GenerationRequest`)
+    but for the prompt, which is tokenized later. Exactly one of prompt / prompt_ids / messages is set;
+    ``speculative`` is None for plain decoding."""
 
     id: str
     prompt: str | None
     prompt_ids: tuple[int, ...] | None
     messages: tuple[ChatMessage, ...] | None
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
+    sampling: Sampling
     stop: tuple[str, ...]
-    speculative: SpeculativePolicy | None
+    speculative: SpeculativeConfig | None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,9 +306,7 @@ def _random_seed() -> int:
     return secrets.randbits(32)
 
 
-def _resolve_speculative(
-    msg: Generate, settings: ServerSettings
-) -> SpeculativePolicy | None | Error:
+def _resolve_speculative(msg: Generate, settings: ServerSettings) -> SpeculativeConfig | None | Error:
     d, lim = settings.defaults, settings.limits
     spec = msg.speculative
     if spec is None:
@@ -333,22 +321,20 @@ def _resolve_speculative(
         return error(msg.id, "unknown_drafter",
                      f"unknown drafter(s) {unknown} at `$.speculative.drafters`; "
                      f"this server knows {list(lim.known_drafters)}")
-    if len(set(drafters)) != len(drafters):
-        return error(msg.id, "bad_value", f"drafters {list(drafters)} repeat a name - at `$.speculative.drafters`")
     n_max = spec.n_max if spec.n_max is not None else d.n_max
     if n_max > lim.max_n_max:
         return error(msg.id, "bad_value", f"n_max {n_max} exceeds this server's {lim.max_n_max} - at "
                                           "`$.speculative.n_max`")
-    n_min = spec.n_min if spec.n_min is not None else min(d.n_min, n_max)
-    if n_min > n_max:
-        return error(msg.id, "bad_value", f"n_min {n_min} exceeds n_max {n_max} - at `$.speculative.n_min`")
-    return SpeculativePolicy(
-        drafters=drafters,
-        n_max=n_max,
-        n_min=n_min,
-        p_min=spec.p_min if spec.p_min is not None else d.p_min,
-        rollback=spec.rollback if spec.rollback is not None else d.rollback,
-    )
+    try:
+        return SpeculativeConfig(
+            drafters=drafters,
+            n_max=n_max,
+            n_min=spec.n_min if spec.n_min is not None else min(d.n_min, n_max),
+            p_min=spec.p_min if spec.p_min is not None else d.p_min,
+            rollback=spec.rollback if spec.rollback is not None else d.rollback,
+        )
+    except InvalidSetting as exc:
+        return error(msg.id, "bad_value", f"{exc} - at `$.speculative.{exc.field}`")
 
 
 def resolve_generate(
@@ -399,10 +385,12 @@ def resolve_generate(
         prompt_ids=tuple(msg.prompt_ids) if msg.prompt_ids is not None else None,
         messages=tuple(msg.messages) if msg.messages is not None else None,
         max_tokens=max_tokens,
-        temperature=msg.temperature if msg.temperature is not None else d.temperature,
-        top_p=msg.top_p if msg.top_p is not None else d.top_p,
-        top_k=msg.top_k if msg.top_k is not None else d.top_k,
-        seed=msg.seed if msg.seed is not None else seed_source(),
+        sampling=Sampling(
+            temperature=msg.temperature if msg.temperature is not None else d.temperature,
+            top_p=msg.top_p if msg.top_p is not None else d.top_p,
+            top_k=msg.top_k if msg.top_k is not None else d.top_k,
+            seed=msg.seed if msg.seed is not None else seed_source(),
+        ),
         stop=tuple(msg.stop) if msg.stop is not None else (),
         speculative=spec,
     )

@@ -23,15 +23,13 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 import anyio
+import msgspec
 import websockets
 from anyio.abc import TaskGroup
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from scheduler.engine import Engine, GenerationRequest, RequestTiming
-from jaxmodel.runtime import Sampling
-from scheduler.types import DoneEvent, TokensEvent
-from drafters.policy import SpeculativeConfig
+from scheduler import DoneEvent, Engine, GenerationRequest, RequestTiming, TokensEvent
 
 from .chat import ChatTemplateError, render_chat
 from .protocol import (Cancel, Connection, Done, DrafterStats, Error, Failure, GenerateRequest, RollbackSteps,
@@ -87,6 +85,25 @@ def resident_bytes() -> int:
         return 0
 
 
+def limited_to(settings: ServerSettings, engine: Engine) -> ServerSettings:
+    """`settings` with limits no wider than the engine serves: its drafters, its longest draft, its context (a
+    prompt leaves room for one token) and its vocabulary. The protocol checks requests against the limits alone,
+    so what it accepts the engine serves as asked. ValueError when the limits name another vocabulary or the
+    defaults need what the engine lacks."""
+    lim, vocab = settings.limits, engine.model.cfg.n_vocab
+    if lim.vocab_size not in (None, vocab):
+        raise ValueError(f"limits.vocab_size {lim.vocab_size} is not the model's {vocab}")
+    limits = msgspec.structs.replace(
+        lim, known_drafters=tuple(name for name in lim.known_drafters if name in engine.drafters),
+        max_n_max=min(lim.max_n_max, engine.n_max),
+        max_prompt_tokens=min(lim.max_prompt_tokens, engine.scheduler.max_model_len - 1), vocab_size=vocab)
+    narrowed = [f"{name} {getattr(limits, name)}" for name in ("known_drafters", "max_n_max", "max_prompt_tokens")
+                if getattr(limits, name) != getattr(lim, name)]
+    if narrowed:
+        log.info("limits narrowed to the engine: %s", ", ".join(narrowed))
+    return ServerSettings(settings.defaults, limits)
+
+
 class SlowClient(Exception):
     pass
 
@@ -116,13 +133,14 @@ class _Client:
 
 
 class Server:
-    """Serves an engine over websockets. `tokenizer` turns prompts and chat messages into ids."""
+    """Serves an engine over websockets. `tokenizer` turns prompts and chat messages into ids; `settings` are
+    held to what the engine serves (`limited_to`)."""
 
     def __init__(self, engine: Engine, tokenizer, settings: ServerSettings, access: Access = Access(),
                  shutdown_grace_s: float = SHUTDOWN_GRACE_S):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.settings = settings
+        self.settings = limited_to(settings, engine)
         self.access = access
         self.shutdown_grace_s = shutdown_grace_s
         self.chat_template = tokenizer.chat_template if tokenizer is not None else None
@@ -247,11 +265,7 @@ class Server:
 
     def _prepare(self, request: GenerateRequest) -> GenerationRequest | Error:
         if request.prompt_ids is not None:
-            ids = list(request.prompt_ids)
-            vocab = self.engine.model.cfg.n_vocab
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                return error(request.id, "bad_value", f"prompt_ids {bad[:5]} are outside the vocabulary of {vocab}")
+            ids = list(request.prompt_ids)  # checked against the vocabulary by the protocol
         elif self.tokenizer is None:
             return error(request.id, "bad_value", "this model has no tokenizer; send prompt_ids")
         elif request.messages is not None:
@@ -269,19 +283,7 @@ class Server:
         too_long = check_prompt_tokens(request.id, len(ids), self.settings.limits)
         if too_long is not None:
             return too_long
-        spec = request.speculative
-        speculative = None
-        if spec is not None and spec.drafters:
-            speculative = SpeculativeConfig(tuple(spec.drafters), n_max=spec.n_max, n_min=max(spec.n_min, 1),
-                                            p_min=spec.p_min)  # fmt: skip
-        return GenerationRequest(
-            prompt_ids=tuple(ids),
-            max_tokens=request.max_tokens,
-            sampling=Sampling(request.temperature, request.top_p, request.top_k, request.seed),
-            stop=request.stop,
-            speculative=speculative,
-            rollback=spec.rollback if spec is not None else "auto",
-        )
+        return GenerationRequest(tuple(ids), request.max_tokens, request.sampling, request.stop, request.speculative)
 
     async def _run(self, request: GenerateRequest, client: _Client) -> None:
         timing = RequestTiming()

@@ -25,8 +25,7 @@ import numpy as np
 from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
-from scheduler.engine import Engine, GenerationRequest
-from scheduler.types import TokensEvent
+from scheduler import Engine, GenerationRequest, TokensEvent
 from bench import save_json
 
 
@@ -93,9 +92,8 @@ def run(args) -> dict:
                 for drafter in drafters.values():
                     drafter.references[:] = [list(p) + t for p, t in zip(prompts, plain[0]["tokens"])]
                 for alpha, d, mode in itertools.product(alphas, lengths, modes):
-                    spec = SpeculativeConfig((drafters[alpha].name,), n_max=d)
-                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec, rollback=mode)
-                                for p in prompts]  # fmt: skip
+                    spec = SpeculativeConfig((drafters[alpha].name,), n_max=d, rollback=mode)
+                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
                     runs = [await _run_batch(engine, requests) for _ in range(args.repeats)]
                     if any(r["tokens"] != plain[0]["tokens"] for r in runs):
                         raise AssertionError(f"speculative output differs from plain (alpha {alpha}, d {d}, {mode})")

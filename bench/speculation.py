@@ -29,8 +29,8 @@ from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS, Engine, GenerationRequest
-from scheduler.types import DoneEvent, TokensEvent
+from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
+from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS
 
 from .prompts import load_prompt_set
 from bench import save_json
@@ -103,9 +103,8 @@ def run(args) -> dict:
                 plain_tokens = None
                 for policy, mode in [(p, m) for p in policies for m in (modes if p != "plain" else ["auto"])]:
                     drafters = tuple(d for d in policy.split(",") if d and d != "plain")
-                    spec = SpeculativeConfig(drafters, n_max=args.n_max) if drafters else None
-                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec, rollback=mode)
-                                for p in prompts]  # fmt: skip
+                    spec = SpeculativeConfig(drafters, n_max=args.n_max, rollback=mode) if drafters else None
+                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
                     if n_streams > len(requests):
                         requests = [requests[i % len(requests)] for i in range(n_streams)]
                     if synthetic is not None and "synthetic" in drafters:

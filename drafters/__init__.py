@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Draft, Drafter, DraftRequest
+from .base import Draft, Drafter, DraftRequest, SeqId
+from .policy import ROLLBACK_MODES, DrafterPolicy, InvalidSetting, Rollback, SpeculativeConfig
 
 
 def standard_drafters(target, draft_model=None, *, max_seqs: int, max_context: int, n_max: int,
@@ -22,4 +23,7 @@ def standard_drafters(target, draft_model=None, *, max_seqs: int, max_context: i
     return drafters
 
 
-__all__ = ["Draft", "DraftRequest", "Drafter", "standard_drafters"]
+__all__ = [
+    "Draft", "DraftRequest", "Drafter", "DrafterPolicy", "InvalidSetting", "ROLLBACK_MODES", "Rollback", "SeqId",
+    "SpeculativeConfig", "standard_drafters",
+]

@@ -14,6 +14,7 @@ import numpy as np
 from jaxmodel.runtime import RowResult
 
 SeqId = Hashable
+"""Names a sequence to the engine, the scheduler, the policy and the drafters alike (the engine counts them)."""
 
 
 @dataclass(frozen=True)

@@ -376,7 +376,7 @@ class Scheduler:
         return Row(seq_id=seq.request.seq_id, fed=tuple(seq.tokens[seq.n_computed:seq.n_computed + spec.n_feed]),
                    start=seq.n_computed, read_plane=seq.live_plane, pages=tuple(seq.pages),
                    needs_logits=spec.n_feed == seq.to_compute, draft_max=spec.draft_max, mode=spec.mode,
-                   write_pool=tuple(spare[:n_write]), params=seq.request.params)
+                   write_pool=tuple(spare[:n_write]))
 
     def _roll(self, seq: _Sequence, row: Row, n_accepted: int, trim: bool = True) -> None:
         """Move the live plane and n_computed after verification (tokens are appended by `_commit`)."""

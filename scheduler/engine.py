@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -25,26 +25,15 @@ from drafters import standard_drafters
 from drafters.base import DraftRequest, Drafter
 from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
 from jaxmodel.model import Model
-from jaxmodel.runtime import RowLoop, Runtime, Sampling, Shapes, StepRow
+from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
 from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
 
 from .core import Scheduler
 from .memory import MemoryManager, pages_for, pool_sizes
-from .types import Committed, Continued, DoneEvent, DraftPlan, Event, Request, Row, SeqId, StepPlan, TokensEvent
+from .types import (Committed, Continued, DoneEvent, DraftPlan, Event, GenerationRequest, Request, Row, SeqId,
+                    StepPlan, TokensEvent)
 
 log = logging.getLogger("gdnspec.engine")
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What a client asks for, in token ids. speculative None: plain decoding."""
-
-    prompt_ids: tuple[int, ...]
-    max_tokens: int = 128
-    sampling: Sampling = field(default_factory=Sampling)
-    stop: tuple[str, ...] = ()
-    speculative: SpeculativeConfig | None = None
-    rollback: str = "auto"
 
 
 @dataclass
@@ -55,13 +44,6 @@ class RequestTiming:
     scheduled: float | None = None  # first step that computed any of its tokens
     first_token: float | None = None
     finished: float | None = None
-
-
-@dataclass(frozen=True)
-class _Params:
-    sampling: Sampling
-    speculative: SpeculativeConfig | None
-    timing: RequestTiming
 
 
 class _NullDetokenizer:
@@ -153,6 +135,7 @@ class Engine:
         self.iterations = iterations
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
+        self._timings: dict[int, RequestTiming] = {}
         self._inbox_send, self._inbox = anyio.create_memory_object_stream(math.inf)
         self.steps = 0
 
@@ -172,8 +155,9 @@ class Engine:
             return []
         start = time.perf_counter()
         for row in plan.rows:
-            if row.params.timing.scheduled is None:
-                row.params.timing.scheduled = start
+            timing = self._timings.get(row.seq_id)
+            if timing is not None and timing.scheduled is None:
+                timing.scheduled = start
         plan = self._attach_drafts(plan, choices)
         iterations = self.iterations if quiet and not self.scheduler.n_waiting else 1
         rows = [self._step_row(row, len(plan.rows), iterations > 1) for row in plan.rows]
@@ -228,9 +212,12 @@ class Engine:
             self.drafters[drafter].observe(seq_id, accepted, committed)
             self.policy.observe(seq_id, drafter, drafted, accepted)
 
+    def _speculative(self, seq_id: SeqId) -> SpeculativeConfig | None:
+        return self.scheduler.request(seq_id).speculative
+
     def _drafters_of(self, row: Row) -> list[Drafter]:
-        config = row.params.speculative
-        return [self.drafters[name] for name in config.drafters if name in self.drafters] if config else []
+        config = self._speculative(row.seq_id)
+        return [self.drafters[name] for name in config.drafters] if config else []
 
     def _device_drafter(self, row: Row) -> str | None:
         """The first of the row's drafters that drafts on device (the MTP head), if any."""
@@ -241,7 +228,8 @@ class Engine:
         (as long as the policy would plan for each drafter that chains on device), and whether it may run more
         iterations in the same call (a decoding row in snapshot or plain mode, without stop strings, whose drafts
         come from the device)."""
-        config = row.params.speculative
+        request = self.scheduler.request(row.seq_id)
+        config = request.speculative
         n_chain = -1
         for drafter in self._drafters_of(row):
             n_next = self.policy.length(row.seq_id, drafter.name, config, batch_size) if self.adaptive else config.n_max
@@ -250,10 +238,10 @@ class Engine:
         loop = None
         device = self._device_drafter(row)
         if (may_loop and row.needs_logits and len(row.fed) == 1 and row.mode in ("snapshot", None)
-                and row.drafter in (None, device) and not self.scheduler.request(row.seq_id).stop_strings):
+                and row.drafter in (None, device) and not request.stop_strings):
             n_draft = min(max(n_chain, 0), row.draft_max) if device is not None and row.mode == "snapshot" else 0
             loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id))
-        return StepRow(row, row.drafts, row.params.sampling, n_chain, p_min, loop)
+        return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop)
 
     def _plan_drafts(self) -> dict[SeqId, list[Choice]]:
         """The policy's drafters and lengths, in order, for every sequence that may draft this step, chosen before
@@ -261,14 +249,14 @@ class Engine:
         may_draft = self.scheduler.may_draft()
         planned = {}
         for seq_id in may_draft:
-            config = self.scheduler.request(seq_id).params.speculative
+            config = self._speculative(seq_id)
             if config is None:
                 continue
             if self.adaptive:
                 choices = self.policy.plan(seq_id, config, len(may_draft))
             else:
                 choices = [Choice(name, config.n_max) for name in config.drafters]
-            planned[seq_id] = [c for c in choices if c.drafter in self.drafters and c.n_draft > 0]
+            planned[seq_id] = [c for c in choices if c.n_draft > 0]
         return planned
 
     def _attach_drafts(self, plan: StepPlan, choices: dict[SeqId, list[Choice]]) -> StepPlan:
@@ -276,7 +264,7 @@ class Engine:
         by drafter, so every drafter proposes once per round for all the sequences that chose it."""
         options = {}
         for row in plan.rows:
-            config = row.params.speculative
+            config = self._speculative(row.seq_id)
             if row.draft_max > 0 and config is not None and choices.get(row.seq_id):
                 options[row.seq_id] = (row, config, choices[row.seq_id])
         drafts, names = {}, {}
@@ -300,7 +288,7 @@ class Engine:
                 for (row, config, _), proposal in zip(entries, proposals):
                     if not on_device:
                         self.policy.record_proposal(name, share, len(proposal.tokens))
-                    if len(proposal.tokens) >= max(config.n_min, 1):
+                    if len(proposal.tokens) >= config.n_min:
                         drafts[row.seq_id] = proposal.tokens[: row.draft_max]
                         names[row.seq_id] = name
         return plan.with_drafts(drafts, names)
@@ -457,21 +445,13 @@ class Engine:
         timing, if given, receives the request's instants."""
         timing = timing or RequestTiming()
         timing.arrived = time.perf_counter()
+        self.check(request)
         seq_id = next(self._ids)
-        speculative = request.speculative
-        n_max = min(speculative.n_max, self.n_max) if speculative else 0
-        core_request = Request(
-            seq_id=seq_id,
-            prompt=tuple(request.prompt_ids),
-            max_tokens=request.max_tokens,
-            stop_token_ids=self.stop_token_ids,
-            stop_strings=request.stop,
-            rollback=request.rollback,
-            n_max=n_max,
-            params=_Params(request.sampling, speculative, timing),
-        )
+        core_request = Request(seq_id, request.prompt_ids, request.max_tokens, self.stop_token_ids, request.stop,
+                               request.sampling, request.speculative)  # fmt: skip
         send, receive = anyio.create_memory_object_stream(math.inf)
         self._outputs[seq_id] = send
+        self._timings[seq_id] = timing
         self._inbox_send.send_nowait(("add", core_request))
         finished = False
         try:
@@ -484,7 +464,19 @@ class Engine:
                         timing.finished = time.perf_counter()
                     yield event
         finally:
+            self._timings.pop(seq_id, None)
             if not finished:
                 self._outputs.pop(seq_id, None)
                 self._inbox_send.send_nowait(("abort", seq_id))
 
+    def check(self, request: GenerationRequest) -> None:
+        """ValueError for what this engine cannot serve: drafters it lacks, drafts longer than its n_max.
+        (`api.server.Server` holds its limits to the engine's, so the protocol refuses these first.)"""
+        spec = request.speculative
+        if spec is None:
+            return
+        unknown = [name for name in spec.drafters if name not in self.drafters]
+        if unknown:
+            raise ValueError(f"drafters {unknown} are not among this engine's {list(self.drafters)}")
+        if spec.n_max > self.n_max:
+            raise ValueError(f"n_max {spec.n_max} exceeds this engine's {self.n_max}")

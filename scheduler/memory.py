@@ -29,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .types import Mode, Preference, SeqId
+from drafters.policy import Rollback
+
+from .types import Mode, SeqId
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ class DraftCandidate:
 
     seq_id: SeqId
     want: int  # the longest draft the sequence can use (n_max, capped by max_tokens and the context length)
-    preference: Preference
+    preference: Rollback
     kv_end: int  # positions covered by the row without drafts (start + fed tokens)
     pages_owned: int
     spare_planes: int  # planes the sequence holds besides the one the row reads

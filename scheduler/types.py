@@ -8,16 +8,17 @@ logit_rows), so the runner can pack plan rows into a device batch directly.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
-SeqId = Hashable
-Preference = Literal["auto", "snapshot", "checkpoint"]
-Mode = Literal["snapshot", "checkpoint"]
+from drafters.base import SeqId
+from drafters.policy import Rollback, SpeculativeConfig
+from jaxmodel.runtime import Sampling
+
+Mode = Literal["snapshot", "checkpoint"]  # the rollback mode a step runs in; a request may also ask for "auto"
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
-PREFERENCES: tuple[Preference, ...] = ("auto", "snapshot", "checkpoint")
 UNNAMED_DRAFTER = "unnamed"
 
 
@@ -34,15 +35,29 @@ class Detokenizer(Protocol):
 
 
 @dataclass(frozen=True)
+class GenerationRequest:
+    """What `Engine.generate` takes: a prompt in token ids and how to continue it (checked as a `Request`).
+
+    speculative: None for plain decoding.
+    """
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int = 128
+    sampling: Sampling = Sampling()
+    stop: tuple[str, ...] = ()
+    speculative: SpeculativeConfig | None = None
+
+
+@dataclass(frozen=True)
 class Request:
-    """One generation request as the core sees it.
+    """One generation request as the core sees it: a `GenerationRequest` with its sequence id and the engine's
+    end-of-generation ids.
 
     prompt: token ids, at least one.
     stop_token_ids: end-of-generation ids (EOS and the like); such a token ends the sequence and is not emitted.
     stop_strings: the output text is cut before the first occurrence of any of them.
-    rollback: which rollback mode the memory manager may use ("auto" lets it choose per step).
-    n_max: the longest draft this request may verify per step (0 = plain decoding).
-    params: sampling parameters and drafter policy, passed through untouched to plan rows.
+    sampling: passed through to the device step.
+    speculative: drafters, draft bounds and rollback mode; None for plain decoding.
     """
 
     seq_id: SeqId
@@ -50,9 +65,8 @@ class Request:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
-    rollback: Preference = "auto"
-    n_max: int = 0
-    params: Any = None
+    sampling: Sampling = Sampling()
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -62,13 +76,18 @@ class Request:
             raise ValueError(f"request {self.seq_id!r}: empty prompt")
         if self.max_tokens < 1:
             raise ValueError(f"request {self.seq_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
-        if self.n_max < 0:
-            raise ValueError(f"request {self.seq_id!r}: n_max must be >= 0, got {self.n_max}")
-        if self.rollback not in PREFERENCES:
-            raise ValueError(f"request {self.seq_id!r}: rollback must be one of {PREFERENCES}, "
-                             f"got {self.rollback!r}")
         if any(not s for s in self.stop_strings):
             raise ValueError(f"request {self.seq_id!r}: empty stop string")
+
+    @property
+    def n_max(self) -> int:
+        """The longest draft this request may verify per step (0: plain decoding)."""
+        return self.speculative.n_max if self.speculative else 0
+
+    @property
+    def rollback(self) -> Rollback:
+        """The rollback mode the memory rule may use ("auto" lets it choose per step)."""
+        return self.speculative.rollback if self.speculative else "auto"
 
 
 @dataclass(frozen=True)
@@ -96,7 +115,6 @@ class Row:
     draft_max: int
     mode: Mode | None
     write_pool: tuple[int, ...]
-    params: Any = None
     drafts: tuple[int, ...] = ()
     drafter: str | None = None
 

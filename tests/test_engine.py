@@ -14,8 +14,7 @@ from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler.engine import Engine, GenerationRequest
-from scheduler.types import DoneEvent, TokensEvent
+from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 
 MAX_TOKENS = 16
 
@@ -73,8 +72,8 @@ def test_lossless_under_concurrency_for_every_drafter_and_mode(target, draft, pr
     for i in range(24):
         prompt = prompts[i % len(prompts)]
         drafters = drafter_sets[i % len(drafter_sets)]
-        spec = SpeculativeConfig(drafters, n_max=3 + i % 4) if drafters else None
-        jobs.append((i, prompt, GenerationRequest(prompt, MAX_TOKENS, speculative=spec, rollback=modes[i % 3])))
+        spec = SpeculativeConfig(drafters, n_max=3 + i % 4, rollback=modes[i % 3]) if drafters else None
+        jobs.append((i, prompt, GenerationRequest(prompt, MAX_TOKENS, speculative=spec)))
     results = {}
 
     async def main():
@@ -98,13 +97,13 @@ def test_lossless_under_concurrency_for_every_drafter_and_mode(target, draft, pr
     accepted_total = 0
     for i, prompt, request in jobs:
         tokens, done, n_from_drafts = results[i]
-        assert tokens == references[prompt], f"job {i}: {request.speculative} {request.rollback}"
+        assert tokens == references[prompt], f"job {i}: {request.speculative}"
         assert done.finish_reason == "length" and done.completion_tokens == MAX_TOKENS
         for mode, steps in done.rollback_steps.items():
             modes_used[mode] += steps
         accepted_total += n_from_drafts
-        if request.rollback != "auto" and request.speculative:
-            other = "checkpoint" if request.rollback == "snapshot" else "snapshot"
+        if request.speculative and request.speculative.rollback != "auto":
+            other = "checkpoint" if request.speculative.rollback == "snapshot" else "snapshot"
             assert done.rollback_steps.get(other, 0) == 0
     assert modes_used["snapshot"] > 0 and modes_used["checkpoint"] > 0
     assert accepted_total > 0
@@ -163,8 +162,8 @@ def test_stop_strings_and_end_of_generation(target, prompts, references):
 def test_lossless_for_generated_prompts(target, draft, prompt, drafters, alpha, rollback, n_max):
     expected = plain_greedy(target, prompt, 8)
     synthetic = SyntheticDrafter([list(prompt) + expected], alpha=alpha, vocab=target.cfg.n_vocab, seed=len(prompt))
-    request = GenerationRequest(tuple(prompt), 8, speculative=SpeculativeConfig(drafters, n_max=n_max),
-                                rollback=rollback)  # fmt: skip
+    request = GenerationRequest(tuple(prompt), 8, speculative=SpeculativeConfig(drafters, n_max=n_max,
+                                                                                 rollback=rollback))  # fmt: skip
 
     async def main():
         engine = Engine(target, draft_model=draft, extra_drafters=[synthetic], budget_bytes=700_000,
@@ -181,15 +180,14 @@ def test_lossless_for_generated_prompts(target, draft, prompt, drafters, alpha, 
 def test_several_iterations_per_device_call_are_lossless(target, prompts, references, drafters, rollback):
     """One request at a time: decoding steps run up to 4 iterations per device call (fewer calls than tokens),
     with the same tokens as plain greedy decoding."""
-    spec = SpeculativeConfig(drafters, n_max=3) if drafters else None
+    spec = SpeculativeConfig(drafters, n_max=3, rollback=rollback) if drafters else None
 
     async def main():
         engine = Engine(target, budget_bytes=700_000, max_running=2, max_model_len=64, n_max=3, iterations=4,
                         adaptive=False)  # fmt: skip
         async with engine:
             for prompt in prompts[:4]:
-                tokens, done, _ = await collect(engine, GenerationRequest(prompt, MAX_TOKENS, speculative=spec,
-                                                                          rollback=rollback))  # fmt: skip
+                tokens, done, _ = await collect(engine, GenerationRequest(prompt, MAX_TOKENS, speculative=spec))
                 assert tokens == references[prompt], prompt
                 assert done.finish_reason == "length" and done.completion_tokens == MAX_TOKENS
         return engine.steps

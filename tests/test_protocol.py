@@ -23,10 +23,11 @@ from api.chat import ChatTemplateError, render_chat
 from api.client import Client, ClientError, ConnectionLost, ProtocolViolation, RequestError
 from api.protocol import (
     ERROR_CODES, Cancel, ChatMessage, ClientMessage, Connection, Defaults, DrafterStats, Done, Error, Generate,
-    GenerateRequest, Limits, RollbackSteps, ServerMessage, ServerSettings, SpecStats, Speculative,
-    SpeculativePolicy, Stats, StatsRequest, Timings, Tokens, Usage, check_prompt_tokens, resolve_generate,
-    schema_json,
+    GenerateRequest, Limits, RollbackSteps, ServerMessage, ServerSettings, SpecStats, Speculative, Stats,
+    StatsRequest, Timings, Tokens, Usage, check_prompt_tokens, resolve_generate, schema_json,
 )
+from drafters.policy import SpeculativeConfig
+from jaxmodel.runtime import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ServerSettings(
@@ -84,9 +85,9 @@ def test_frames_use_lowercase_type_tags_and_speculative_is_tri_state():
 def test_missing_fields_take_server_defaults():
     req = resolve(id="a", prompt="hi")
     assert req == GenerateRequest(
-        id="a", prompt="hi", prompt_ids=None, messages=None, max_tokens=32, temperature=0.0, top_p=1.0, top_k=0,
-        seed=1234, stop=(), speculative=SpeculativePolicy(("mtp", "ngram"), n_max=4, n_min=1, p_min=0.5,
-                                                          rollback="auto"))
+        id="a", prompt="hi", prompt_ids=None, messages=None, max_tokens=32,
+        sampling=Sampling(temperature=0.0, top_p=1.0, top_k=0, seed=1234), stop=(),
+        speculative=SpeculativeConfig(("mtp", "ngram"), n_max=4, n_min=1, p_min=0.5, rollback="auto"))
     assert resolve(id="a", prompt="hi", max_tokens=None, seed=None) == req
 
 
@@ -95,7 +96,7 @@ def test_speculative_null_means_plain_decoding_and_partial_policies_are_complete
     assert resolve(id="a", prompt="hi", speculative={"drafters": []}).speculative is None
     assert resolve(id="a", prompt="hi", speculative={}).speculative == resolve(id="a", prompt="hi").speculative
     req = resolve(id="a", prompt="hi", speculative={"drafters": ["ngram"], "n_max": 12, "rollback": "snapshot"})
-    assert req.speculative == SpeculativePolicy(("ngram",), n_max=12, n_min=1, p_min=0.5, rollback="snapshot")
+    assert req.speculative == SpeculativeConfig(("ngram",), n_max=12, n_min=1, p_min=0.5, rollback="snapshot")
     short = resolve(id="a", prompt="hi", speculative={"n_max": 1})
     assert (short.speculative.n_max, short.speculative.n_min) == (1, 1)
 
@@ -103,8 +104,8 @@ def test_speculative_null_means_plain_decoding_and_partial_policies_are_complete
 def test_request_values_override_defaults():
     req = resolve(id="a", prompt_ids=[1, 2], max_tokens=64, temperature=0.8, top_p=0.5, top_k=3, seed=9,
                   stop=["END"])
-    assert (req.prompt_ids, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed, req.stop) == (
-        (1, 2), 64, 0.8, 0.5, 3, 9, ("END",))
+    assert (req.prompt_ids, req.max_tokens, req.sampling, req.stop) == (
+        (1, 2), 64, Sampling(temperature=0.8, top_p=0.5, top_k=3, seed=9), ("END",))
     chat = resolve(id="a", messages=[{"role": "user", "content": "x"}])
     assert chat.messages == (ChatMessage("user", "x"),)
 
@@ -160,6 +161,8 @@ def test_connection_classifies_bad_frames():
     assert (unknown.id, unknown.code) == ("c", "bad_message")
     bad_enum = conn.receive(frame(type="generate", id="d", prompt="x", speculative={"rollback": "undo"}))
     assert bad_enum.code == "bad_message" and "`$.speculative.rollback`" in bad_enum.message
+    no_draft = conn.receive(frame(type="generate", id="f", prompt="x", speculative={"n_min": 0}))
+    assert no_draft.code == "bad_message" and "Expected `int` >= 1 - at `$.speculative.n_min`" in no_draft.message
     not_object = conn.receive("[1, 2]")
     assert (not_object.id, not_object.code) == (None, "bad_message")
     too_big = conn.receive(frame(type="generate", id="e", prompt="x" * 600))
@@ -227,7 +230,7 @@ def test_any_json_frame_gets_a_request_a_cancel_or_a_coded_error(obj):
     if isinstance(out, GenerateRequest):
         assert sum(x is not None for x in (out.prompt, out.prompt_ids, out.messages)) == 1
         assert 1 <= out.max_tokens <= SETTINGS.limits.max_max_tokens
-        assert out.speculative is None or 0 <= out.speculative.n_min <= out.speculative.n_max <= 16
+        assert out.speculative is None or 1 <= out.speculative.n_min <= out.speculative.n_max <= 16
         assert conn.in_flight == {out.id}
 
 

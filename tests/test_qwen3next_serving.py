@@ -18,7 +18,7 @@ from drafters.policy import SpeculativeConfig
 from jaxmodel import Model, load_model
 from jaxmodel.gguf_io import read_gguf
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler.engine import Engine, GenerationRequest
+from scheduler import Engine, GenerationRequest
 
 NEXT = DATA / "tiny-qwen3next.gguf"
 MAX_TOKENS = 12
@@ -68,8 +68,8 @@ def test_engine_is_lossless_for_every_drafter_and_rollback_mode(target, draft, p
     for i in range(8):
         prompt = prompts[i % len(prompts)]
         drafters = drafter_sets[i % len(drafter_sets)]
-        spec = SpeculativeConfig(drafters, n_max=3) if drafters else None
-        jobs.append((prompt, GenerationRequest(prompt, MAX_TOKENS, speculative=spec, rollback=modes[i // 4])))
+        spec = SpeculativeConfig(drafters, n_max=3, rollback=modes[i // 4]) if drafters else None
+        jobs.append((prompt, GenerationRequest(prompt, MAX_TOKENS, speculative=spec)))
     results = {}
 
     async def main():
@@ -90,7 +90,7 @@ def test_engine_is_lossless_for_every_drafter_and_rollback_mode(target, draft, p
     drafted, accepted = {}, {}
     for i, (prompt, request) in enumerate(jobs):
         tokens, done, _ = results[i]
-        assert tokens == references[prompt], f"job {i}: {request.speculative} {request.rollback}"
+        assert tokens == references[prompt], f"job {i}: {request.speculative}"
         for mode, n in done.rollback_steps.items():
             steps[mode] += n
         for name, stats in done.drafters.items():

@@ -24,7 +24,7 @@ from api.server import Access, Server, is_loopback, listening, loggable
 from drafters.base import Drafter
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler.engine import Engine
+from scheduler import Engine
 
 POISON = 509  # a prompt holding this token id makes the wrapped model step raise
 

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from drafters.policy import SpeculativeConfig
 from scheduler.core import Scheduler
 from scheduler.memory import MemoryManager, PoolSizes, pages_for
 from scheduler.stops import scan_stop_strings
@@ -27,6 +28,11 @@ MASK = (1 << 64) - 1
 # A toy vocabulary whose tokens glue into words, so that stop strings straddle token boundaries.
 VOCAB = ["<eos>", "a", "b", "c", "ab", "bc", "ca", " ", "x", "yz", "\n", "d", "e", "f", "de", "ef",
          "g", "h", "gh", "i", "j", "k", "l", "m", "n", "o", "p", "q", "r", "s", "t", "u"]
+
+
+def spec(n_max: int, rollback: str = "auto") -> SpeculativeConfig | None:
+    """A request's speculative settings; the scheduler reads only n_max and rollback (0: plain decoding)."""
+    return SpeculativeConfig(("fake",), n_max=n_max, rollback=rollback) if n_max else None
 
 
 def mix(state: int, token: int) -> int:
@@ -250,8 +256,8 @@ def random_scenario(seed: int, n: int, *, rollback=None, corruption=None, abort_
         sid = f"s{i}"
         reqs.append(Request(sid, tuple(rng.randrange(1, V) for _ in range(rng.randint(1, 14))),
                             max_tokens=rng.randint(1, 20), stop_token_ids={EOS} if rng.random() < 0.5 else (),
-                            rollback=rollback or rng.choice(["auto", "snapshot", "checkpoint"]),
-                            n_max=rng.choice([0, 2, 4, 6, 6])))
+                            speculative=spec(rng.choice([0, 2, 4, 6, 6]),
+                                             rollback or rng.choice(["auto", "snapshot", "checkpoint"]))))
         arrivals[sid] = rng.randint(0, 12)
         corr[sid] = corruption if corruption is not None else rng.choice([0.0, 0.2, 0.5, 1.0])
         if rng.random() < abort_share:
@@ -391,7 +397,8 @@ def test_admission_leaves_a_page_per_running_sequence():
 
 def test_preemption_takes_the_youngest_and_loses_nothing():
     # 4 usable pages of 4 tokens: both sequences cannot reach 14 positions at once.
-    reqs = [Request("old", (1, 2, 3), max_tokens=11, n_max=2), Request("young", (4, 5, 6), max_tokens=11, n_max=2)]
+    reqs = [Request("old", (1, 2, 3), max_tokens=11, speculative=spec(2)),
+            Request("young", (4, 5, 6), max_tokens=11, speculative=spec(2))]
     sc = Scenario(reqs, corruption={"old": 0.3, "young": 0.3}, seed=1)
     run = simulate(sc, make_scheduler(n_pages=5, max_model_len=16, token_budget=8))
     check_events(run, sc)
@@ -401,8 +408,8 @@ def test_preemption_takes_the_youngest_and_loses_nothing():
 def test_snapshot_with_few_planes_shortens_drafts_and_auto_falls_back():
     sched = make_scheduler(n_planes=6)  # 5 usable: two sequences hold 4, one plane to borrow
     model = FakeModel(4)
-    reqs = [Request("snap", (3,), max_tokens=20, n_max=6, rollback="snapshot"),
-            Request("auto", (4,), max_tokens=20, n_max=6, rollback="auto")]
+    reqs = [Request("snap", (3,), max_tokens=20, speculative=spec(6, "snapshot")),
+            Request("auto", (4,), max_tokens=20, speculative=spec(6, "auto"))]
     prompts = {r.seq_id: r.prompt for r in reqs}
     for r in reqs:
         sched.add(r)
@@ -423,7 +430,7 @@ def test_memory_is_granted_for_the_policys_plan():
     draft for gets that length (not its request's n_max), and without a plan the request's n_max applies."""
     sched = make_scheduler(n_planes=16)
     model = FakeModel(4)
-    reqs = [Request(name, (i + 1,), max_tokens=20, n_max=6, rollback="snapshot")
+    reqs = [Request(name, (i + 1,), max_tokens=20, speculative=spec(6, "snapshot"))
             for i, name in enumerate(("none", "short", "unplanned"))]
     prompts = {r.seq_id: r.prompt for r in reqs}
     for r in reqs:
@@ -448,8 +455,9 @@ def test_memory_is_granted_for_the_policys_plan():
 @settings(max_examples=25, deadline=None)
 @given(abort_step=st.integers(0, 12), mid_flight=st.booleans(), victim=st.integers(0, 3), seed=st.integers(0, 99))
 def test_abort_at_any_point_returns_memory(abort_step, mid_flight, victim, seed):
-    reqs = [Request(f"s{i}", (i + 1, 2, 3, 4, 5, 6, 7)[: 2 + 2 * i], max_tokens=8, n_max=3,
-                    rollback=["auto", "snapshot", "checkpoint", "auto"][i]) for i in range(4)]
+    modes = ["auto", "snapshot", "checkpoint", "auto"]
+    reqs = [Request(f"s{i}", (i + 1, 2, 3, 4, 5, 6, 7)[: 2 + 2 * i], max_tokens=8, speculative=spec(3, modes[i]))
+            for i in range(4)]
     sc = Scenario(reqs, {f"s{i}": i for i in range(4)}, {f"s{victim}": (abort_step, mid_flight)},
                   {f"s{i}": 0.4 for i in range(4)}, seed)
     run = simulate(sc, make_scheduler(n_planes=9, max_running=3, token_budget=10, chunk_size=3))
@@ -520,7 +528,7 @@ def test_later_iterations_drafting_on_device_are_counted_under_a_name(drafter):
     """A row that carried no draft may run later iterations with the device's drafts: they count under the drafter
     the engine names, or under a string placeholder (a None key cannot be sent in a done frame)."""
     sched = make_scheduler()
-    sched.add(Request("a", (1, 2), max_tokens=5, n_max=2, rollback="snapshot"))
+    sched.add(Request("a", (1, 2), max_tokens=5, speculative=spec(2, "snapshot")))
     sched.update(sched.schedule(), {"a": Committed((5,), 0)})  # the prompt
     plan = sched.schedule()
     [row] = plan.rows
@@ -548,7 +556,7 @@ def outputs(run: Run, sid) -> tuple[list[int], str, DoneEvent]:
 @pytest.mark.parametrize("n_max", [0, 4])
 def test_stop_string_across_tokens_is_never_emitted(n_max):
     # a | b | c | ab  -> text "abcab": stop "bca" spans tokens 2..4 ("b" "c" "ab").
-    req = Request("s", (1,), max_tokens=20, stop_strings=("bca",), n_max=n_max)
+    req = Request("s", (1,), max_tokens=20, stop_strings=("bca",), speculative=spec(n_max))
     run = scripted(req, [1, 2, 3, 4, 8, 8, 8, 8, 8, 8])
     ids, text, done = outputs(run, "s")
     assert text == "a" and ids == [1, 2, 3, 4] and done.finish_reason == "stop"
@@ -568,14 +576,14 @@ def test_held_back_text_is_released_when_no_stop_follows():
 
 @pytest.mark.parametrize("n_max", [0, 5])
 def test_stop_token_is_not_emitted_and_later_tokens_dropped(n_max):
-    req = Request("s", (1,), max_tokens=20, stop_token_ids={EOS}, n_max=n_max)
+    req = Request("s", (1,), max_tokens=20, stop_token_ids={EOS}, speculative=spec(n_max))
     ids, text, done = outputs(scripted(req, [8, 9, EOS, 8, 8, 8, 8, 8, 8]), "s")
     assert (ids, text, done.finish_reason, done.completion_tokens) == ([8, 9], "xyz", "stop", 3)
 
 
 @pytest.mark.parametrize("n_max", [0, 6])
 def test_max_tokens_cuts_accepted_drafts(n_max):
-    req = Request("s", (1,), max_tokens=5, n_max=n_max)
+    req = Request("s", (1,), max_tokens=5, speculative=spec(n_max))
     run = scripted(req, [8] * 20)
     ids, _, done = outputs(run, "s")
     assert (ids, done.finish_reason, done.completion_tokens) == ([8] * 5, "length", 5)
@@ -586,7 +594,7 @@ def test_max_tokens_cuts_accepted_drafts(n_max):
 
 
 def test_context_length():
-    req = Request("s", (1, 2, 3, 4, 5, 6, 7), max_tokens=50, n_max=4)
+    req = Request("s", (1, 2, 3, 4, 5, 6, 7), max_tokens=50, speculative=spec(4))
     run = scripted(req, [8] * 20, max_model_len=10)
     ids, _, done = outputs(run, "s")
     assert (ids, done.finish_reason) == ([8, 8, 8], "length")
@@ -614,8 +622,8 @@ def test_misuse_is_refused():
     with pytest.raises(ValueError):
         Request("e", (), max_tokens=2)
     with pytest.raises(ValueError):
-        Request("e", (1,), max_tokens=2, rollback="sometimes")
-    sched.add(Request("a", (1,), max_tokens=4, n_max=2))
+        SpeculativeConfig(("fake",), rollback="sometimes")
+    sched.add(Request("a", (1,), max_tokens=4, speculative=spec(2)))
     with pytest.raises(ValueError):
         sched.add(Request("a", (1,), max_tokens=4))
     plan = sched.schedule()

@@ -6,7 +6,6 @@ import contextlib
 import json
 
 import anyio
-import msgspec
 import pytest
 import websockets
 from conftest import DATA, plain_greedy
@@ -15,9 +14,10 @@ from websockets.asyncio.client import connect
 from api.client import Client, RequestError
 from api.protocol import Defaults, Limits, ServerSettings, Speculative
 from api.server import Server, listening
+from drafters.policy import SpeculativeConfig
 from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler.engine import Engine
+from scheduler import Engine, GenerationRequest
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,6 @@ def test_bad_input_gets_errors_while_the_connection_and_other_requests_continue(
             async with connect(url) as ws:
                 await ws.send(json.dumps({"type": "generate", "id": "good", "prompt": "def f():", "max_tokens": 20,
                                           "speculative": None}))  # fmt: skip
-                replies = []
                 for frame, _ in BAD_FRAMES:
                     await ws.send(frame)
                 await ws.send(json.dumps({"type": "generate", "id": "good", "prompt": "again"}))  # duplicate id
@@ -175,6 +174,24 @@ def test_bad_input_gets_errors_while_the_connection_and_other_requests_continue(
     assert all(e["message"] for e in errors)
     assert done["id"] == "good" and done["finish_reason"] in ("length", "stop")
     assert good_tokens == plain_greedy(model, tokenizer.encode("def f():"), 20, tokenizer.eog_ids)
+
+
+def test_limits_are_held_to_what_the_engine_serves(model, tokenizer):
+    """The protocol checks requests against the limits alone; the server narrows them to the engine's drafters
+    and n_max and sets its vocabulary, so nothing the protocol accepts is refused or changed by the engine."""
+    engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64, n_max=3)
+    wide = ServerSettings(defaults=Defaults(n_max=3), limits=Limits(known_drafters=("ngram", "mtp", "eagle")))
+    limits = Server(engine, tokenizer, wide).settings.limits
+    assert (limits.known_drafters, limits.max_n_max, limits.max_prompt_tokens, limits.vocab_size) == (
+        ("ngram", "mtp"), 3, 63, model.cfg.n_vocab)
+    with pytest.raises(ValueError, match="vocab_size"):
+        Server(engine, tokenizer, ServerSettings(defaults=Defaults(n_max=3), limits=Limits(vocab_size=100)))
+    with pytest.raises(ValueError, match="known_drafters"):
+        Server(engine, tokenizer, ServerSettings(defaults=Defaults(drafters=("eagle",)),
+                                                 limits=Limits(known_drafters=("eagle",))))  # fmt: skip
+    for spec in (SpeculativeConfig(("eagle",), n_max=3), SpeculativeConfig(("mtp",), n_max=4)):
+        with pytest.raises(ValueError):
+            engine.check(GenerationRequest((1, 2), speculative=spec))
 
 
 def test_client_raises_on_error_frames(model, tokenizer):
