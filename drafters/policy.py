@@ -15,7 +15,11 @@ proposal of d tokens costs proposal_i(d) = fixed_i + per_token_i * d; each line 
 squares to what the engine reports (`record_target`, `record_proposal`). Until something is reported, a target step
 costs 1, a verified token 1/16 of that (`target_token_prior`), and proposals nothing; while all measurements share one
 n, a small ridge prior splits the target's cost in that ratio. The engine calibrates before serving (`calibrate`): warm
-steps of one row at 1 and 1 + n_max tokens set that ratio and are the first measurements. It reports decoding steps
+steps of one row at 1 and 1 + n_max tokens give the line until something is reported, and from then on their slope
+in seconds is the prior that splits measurements of one n. They are not measurements themselves: each is a call of
+its own, host overhead included, while the engine reports a call of several iterations per iteration, so mixing the
+two would read the overhead as a cost per verified token (measured on an H100: a plain phase then priced every
+verified token at 0.6 ms, against 0.03 ms calibrated, and the policy stopped drafting). It reports decoding steps
 only (a prompt chunk's cost says little about a draft's), and the draft chain the MTP head runs inside the target's
 step as that drafter's proposal cost, from the chain's calibrated cost per draft. Sequences batched together share a step: with B of
 them each is charged fixed / B (for alike sequences, the per-sequence optimum is then the batch's optimum).
@@ -115,6 +119,7 @@ class PolicyParams:
     cost_decay: float = 0.98
     cost_ridge: float = 1.0
     target_token_prior: float = 1.0 / 16  # a verified token costs this fraction of a step's fixed cost, until measured
+    target_calibrated: tuple[float, float] | None = None  # (fixed, per_token) seconds of warm one-row steps
 
 
 @dataclass(frozen=True)
@@ -158,19 +163,22 @@ class LinearCost:
             wns=decay * self.wns + n * seconds,
         )
 
-    def coefficients(self, ridge: float, slope_prior: float, default: tuple[float, float]) -> tuple[float, float]:
+    def coefficients(self, ridge: float, slope_prior: float, default: tuple[float, float],
+                     slope_seconds: float = 0.0) -> tuple[float, float]:
         """(fixed, per_token), both >= 0; `default` before any measurement.
 
-        The ridge pulls per_token towards slope_prior * fixed (a unit-free prior), which decides the split when
-        every measurement had the same n: minimises sum w (s - a - b n)^2 + ridge (b - slope_prior a)^2.
+        The ridge pulls per_token towards slope_prior * fixed + slope_seconds (a unit-free prior, or a measured
+        slope in seconds), which decides the split when every measurement had the same n: minimises
+        sum w (s - a - b n)^2 + ridge (b - slope_prior a - slope_seconds)^2.
         """
         if self.w <= 0.0:
             return default
-        r = slope_prior
+        r, c = slope_prior, slope_seconds
         aa, ab, bb = self.w + ridge * r * r, self.wn - ridge * r, self.wnn + ridge
         det = aa * bb - ab * ab
-        fixed = (bb * self.ws - ab * self.wns) / det
-        per_token = (aa * self.wns - ab * self.ws) / det
+        ys, yns = self.ws - ridge * r * c, self.wns + ridge * c
+        fixed = (bb * ys - ab * yns) / det
+        per_token = (aa * yns - ab * ys) / det
         if per_token < 0.0:
             return self.ws / self.w, 0.0
         if fixed < 0.0:
@@ -267,9 +275,14 @@ def observe_draft(
 
 def _target_line(costs: Costs, params: PolicyParams, batch_size: int) -> tuple[float, float]:
     """The target step's (fixed, per_token) cost line, the fixed part shared by batch_size sequences."""
-    step_fixed, per_token = costs.target.coefficients(
-        params.cost_ridge, params.target_token_prior, default=(1.0, params.target_token_prior)
-    )
+    if params.target_calibrated is not None:
+        step_fixed, per_token = costs.target.coefficients(
+            params.cost_ridge, 0.0, default=params.target_calibrated, slope_seconds=params.target_calibrated[1]
+        )
+    else:
+        step_fixed, per_token = costs.target.coefficients(
+            params.cost_ridge, params.target_token_prior, default=(1.0, params.target_token_prior)
+        )
     return step_fixed / max(batch_size, 1), per_token
 
 
@@ -365,10 +378,11 @@ class DrafterPolicy:
         self.costs = replace(self.costs, target=target)
 
     def calibrate(self, steps: Mapping[tuple[int, int], float]) -> None:
-        """Start from warm steps timed before serving, {(rows, tokens per row): seconds}. The one-row steps are
-        recorded as measurements and set `target_token_prior`, the ratio of a verified token's cost to a step's
-        fixed cost that decides the split while later measurements all share one n (as they do when every
-        sequence keeps drafting the same length). Steps of several rows are left to live measurements: one cost
+        """Start from warm steps timed before serving, {(rows, tokens per row): seconds}. The one-row steps give
+        the target's cost line until the engine reports a step (`target_calibrated`), and then the slope, in
+        seconds per verified token, that splits measurements sharing one n (as they do when every sequence keeps
+        drafting the same length); `target_token_prior` is that slope over the fixed cost. They are not recorded
+        as measurements (see the module docstring). Steps of several rows are left to live measurements: one cost
         line over the batch's total tokens fits them poorly beside single rows."""
         one_row = sorted((T, seconds) for (B, T), seconds in steps.items() if B == 1)
         if len(one_row) >= 2:
@@ -376,9 +390,8 @@ class DrafterPolicy:
             per_token = max(s1 - s0, 0.0) / (t1 - t0)
             fixed = s0 - per_token * t0
             if fixed > 0.0:
-                self.params = replace(self.params, target_token_prior=per_token / fixed)
-        for T, seconds in one_row:
-            self.record_target(seconds, T)
+                self.params = replace(self.params, target_token_prior=per_token / fixed,
+                                      target_calibrated=(fixed, per_token))
 
     def record_proposal(self, drafter: str, seconds: float, n_tokens: int) -> None:
         """`drafter` proposed `n_tokens` tokens for one sequence; `seconds` is that sequence's share of the call."""
