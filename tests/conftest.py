@@ -31,6 +31,19 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def model(tiny_model):
+    """The tiny model, shared by every module that serves it (one load, one set of compiled shapes)."""
+    return tiny_model
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from jaxmodel.tokenizer import load_tokenizer
+
+    return load_tokenizer(DATA / "tiny-qwen35-mtp.gguf")
+
+
+@pytest.fixture(scope="session")
 def tiny_path() -> Path:
     return DATA / "tiny-qwen35-mtp.gguf"
 

@@ -15,28 +15,16 @@ import time
 import anyio
 import pytest
 import websockets
-from conftest import DATA, plain_greedy
+from conftest import plain_greedy
 from websockets.asyncio.client import connect
 
 from api.client import Client, RequestError
 from api.protocol import MAX_SEED, Defaults, Limits, ServerSettings, Speculative
 from api.server import Access, Server, is_loopback, listening, loggable
 from drafters.base import Drafter
-from jaxmodel import load_model
-from jaxmodel.tokenizer import load_tokenizer
 from scheduler import Engine
 
 POISON = 509  # a prompt holding this token id makes the wrapped model step raise
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(DATA / "tiny-qwen35-mtp.gguf")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(DATA / "tiny-qwen35-mtp.gguf")
 
 
 def settings(**limits) -> ServerSettings:

@@ -8,26 +8,14 @@ import json
 import anyio
 import pytest
 import websockets
-from conftest import DATA, plain_greedy
+from conftest import plain_greedy
 from websockets.asyncio.client import connect
 
 from api.client import Client, RequestError
 from api.protocol import Defaults, Limits, ServerSettings, Speculative
 from api.server import Server, listening
 from drafters.policy import SpeculativeConfig
-from jaxmodel import load_model
-from jaxmodel.tokenizer import load_tokenizer
 from scheduler import Engine, GenerationRequest
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(DATA / "tiny-qwen35-mtp.gguf")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(DATA / "tiny-qwen35-mtp.gguf")
 
 
 SETTINGS = ServerSettings(
