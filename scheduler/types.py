@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 SeqId = Hashable
-Preference = Literal["auto", "snapshot", "checkpoint"]
-Mode = Literal["snapshot", "checkpoint"]
+Preference = Literal["auto", "snapshot", "checkpoint", "replay"]
+Mode = Literal["snapshot", "checkpoint", "replay"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
-PREFERENCES: tuple[Preference, ...] = ("auto", "snapshot", "checkpoint")
+PREFERENCES: tuple[Preference, ...] = ("auto", "snapshot", "checkpoint", "replay")
 UNNAMED_DRAFTER = "unnamed"
 
 
@@ -114,13 +114,16 @@ class Row:
     def write_planes(self) -> tuple[int, ...]:
         """[n] the plane receiving the state after each token, -1 for none.
 
-        Snapshot: the state after `last` and after every draft (len(drafts) + 1 planes). Otherwise (checkpoint, a
-        plain step, a prompt chunk): only the state after the final token.
+        Snapshot: the state after `last` and after every draft (len(drafts) + 1 planes). Replay: the state after
+        `last`, which the device advances by the accepted drafts after verification. Otherwise (checkpoint, a plain
+        step, a prompt chunk): only the state after the final token.
         """
         n = len(self.fed) + len(self.drafts)
         if self.mode == "snapshot":
             keep = len(self.drafts) + 1
             return (-1,) * (n - keep) + self.write_pool[:keep]
+        if self.mode == "replay":
+            return (-1,) * (len(self.fed) - 1) + self.write_pool[:1] + (-1,) * len(self.drafts)
         return (-1,) * (n - 1) + self.write_pool[:1]
 
     @property
