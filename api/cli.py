@@ -74,7 +74,7 @@ def _policy_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-max", type=int)
     p.add_argument("--n-min", type=int)
     p.add_argument("--p-min", type=float)
-    p.add_argument("--rollback", choices=["auto", "snapshot", "checkpoint"])
+    p.add_argument("--rollback", choices=["auto", "snapshot", "checkpoint", "replay"])
 
 
 def _policy(text: str):

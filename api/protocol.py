@@ -35,7 +35,7 @@ __all__ = [
     "resolve_generate", "check_prompt_tokens", "error", "Connection", "schema", "schema_json",
 ]
 
-Rollback = Literal["auto", "snapshot", "checkpoint"]
+Rollback = Literal["auto", "snapshot", "checkpoint", "replay"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ErrorCode = Literal[
     "bad_json", "bad_message", "bad_value", "unknown_drafter", "prompt_too_long", "too_many_requests",
@@ -151,6 +151,7 @@ class RollbackSteps(Struct, frozen=True):
 
     snapshot: int = 0
     checkpoint: int = 0
+    replay: int = 0
 
 
 class SpecStats(Struct, frozen=True):
