@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .delta_rule import CPU_CHUNKED_MIN_TOKENS
-from .model import Model
+from .model import Model, rebuild
 from .sampling import SamplingParams
 from .speculative import ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain, speculative_step
 from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, pack_batch
@@ -135,11 +135,12 @@ LOOP_MAX_TOKENS = 16
 
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: ModelConfig):
-    """The jitted step and chain of a config, shared by every runtime of it (so their compilations are too)."""
+    """The jitted step, chain and replay rebuild (timed alone by `calibrate`) of a config, shared by every runtime
+    of it (so their compilations are too)."""
     step = jax.jit(functools.partial(speculative_step, cfg=cfg),
                    static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab"), donate_argnames="state")
     chain = jax.jit(functools.partial(draft_chain, cfg=cfg), static_argnames="n_max", donate_argnames="state")
-    return step, chain
+    return step, chain, jax.jit(functools.partial(rebuild, cfg=cfg), donate_argnames="state")
 
 
 class Runtime:
@@ -169,7 +170,7 @@ class Runtime:
         replay_slots = replay_slots if model.cfg.gdn_layers else 0
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size,
                                      replay_slots=replay_slots, replay_tokens=replay_tokens)
-        self._step, self._chain = _compiled(model.cfg)
+        self._step, self._chain, self._rebuild = _compiled(model.cfg)
         self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
         self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds the replay rebuild adds to a step
 
@@ -207,10 +208,9 @@ class Runtime:
         """The static iteration bound of a step shape: only short steps loop."""
         return self.max_iterations if T <= LOOP_MAX_TOKENS and not final_only else 1
 
-    def step(self, rows: Sequence[StepRow], iterations: int = 1, *, run_rebuild: bool = False) -> list[RowResult]:
+    def step(self, rows: Sequence[StepRow], iterations: int = 1) -> list[RowResult]:
         """One target step over all rows: forward, verification and MTP drafting in one device call; rows with a
-        `loop` run up to `iterations` iterations in all (a short step's; others run one). run_rebuild: run the replay
-        rebuild even when no row replays (it then writes nothing): what `calibrate` times."""
+        `loop` run up to `iterations` iterations in all (a short step's; others run one)."""
         prefill_only = all(
             list(r.row.logit_rows) in ([], [len(r.row.tokens) - 1]) and all(w < 0 for w in r.row.write_planes[:-1])
             for r in rows
@@ -222,7 +222,7 @@ class Runtime:
         loop = self._loop_inputs(rows, B, min(iterations, max_iterations)) if max_iterations > 1 else None
         (out, more), self.state = self._step(
             self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
-            replay=self._replay_inputs(rows, B, T, final_only, run_rebuild), final_only=final_only,
+            replay=self._replay_inputs(rows, B, T, final_only), final_only=final_only,
             n_max=self.mtp_chain_max,
             max_iterations=max_iterations, draft_vocab=self.draft_vocab,
         )  # fmt: skip
@@ -244,8 +244,7 @@ class Runtime:
             results.append(RowResult(a, tokens[b, : a + 1].tolist(), drafts[b, : n_drafted[b]].tolist(), later))
         return results
 
-    def _replay_inputs(self, rows: Sequence[StepRow], B: int, T: int, final_only: bool,
-                       run: bool = False) -> ReplayInputs | None:
+    def _replay_inputs(self, rows: Sequence[StepRow], B: int, T: int, final_only: bool) -> ReplayInputs | None:
         """The replay rows' planes. None where no row can replay, so that no rebuild compiles there: without a
         replay pool, and in shapes that carry no draft (one token per row, prefill-only steps)."""
         if not self.replay_tokens or T == 1 or final_only:
@@ -259,7 +258,7 @@ class Runtime:
                     raise ValueError(f"row {b}: replay needs a replay slot, at most {self.replay_tokens} drafts "
                                      f"and no later iterations")  # fmt: skip
                 plane[b] = r.row.write_planes[r.row.logit_rows[0]]
-        return ReplayInputs(plane, np.bool_(run or bool((plane >= 0).any())))
+        return ReplayInputs(plane, np.bool_((plane >= 0).any()))
 
     def _loop_inputs(self, rows: Sequence[StepRow], B: int, iterations: int) -> LoopInputs:
         width = self.mtp_chain_max + 2
@@ -340,22 +339,23 @@ class Runtime:
         nothing else: a decoding step (T = 1), a verify step of 1 + n_chain_max tokens, (with MTP drafting) the
         same verify step chaining n_chain_max drafts on device, whose extra time over n_chain_max is what one
         chained draft adds (a call's time cannot be split into its parts afterwards), and (with a replay pool) the
-        verify step running the replay rebuild over every row, whose extra time is what a step with replay rows
-        adds. The minimum of `repeats` runs each; call after `warmup` (these shapes compile). Also keeps the chain
-        and rebuild costs for `chain_cost` and `rebuild_cost`."""
+        replay rebuild alone over every row and n_max drafts, writing nothing: what a step with replay rows adds
+        (too little, at small shapes, to be told from a step's noise as a difference of two steps). The minimum of
+        `repeats` runs each; call after `warmup` (these shapes compile; the rebuild compiles here). Also keeps the
+        chain and rebuild costs for `chain_cost` and `rebuild_cost`."""
         calibration = Calibration()
         if self.shapes is None:
             return calibration
         n = max(self.n_chain_max, 1)
         T_verify = self.shapes.tokens(1 + n)
 
-        def best(B: int, T: int, n_chain: int, run_rebuild: bool = False) -> float:
+        def best(B: int, T: int, n_chain: int) -> float:
             rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, [-1] * T, range(T)), drafts=[1] * (T - 1),
                             n_chain=n_chain) for _ in range(B)]  # fmt: skip
             seconds = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
-                self.step(rows, run_rebuild=run_rebuild)
+                self.step(rows)
                 seconds = min(seconds, time.perf_counter() - start)
             return seconds
 
@@ -366,7 +366,7 @@ class Runtime:
                 chained = best(B, T_verify, self.mtp_chain_max)
                 calibration.chain_seconds[B] = max(chained - verify, 0.0) / self.mtp_chain_max
             if self.replay_tokens:
-                calibration.rebuild_seconds[B] = max(best(B, T_verify, -1, run_rebuild=True) - verify, 0.0)
+                calibration.rebuild_seconds[B] = self._time_rebuild(B, repeats)
         self.chain_seconds = dict(calibration.chain_seconds)
         self.rebuild_seconds = dict(calibration.rebuild_seconds)
         return calibration
@@ -375,6 +375,21 @@ class Runtime:
         """Seconds one chained draft adds to a step of n_rows rows (0 before `calibrate`)."""
         B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
         return self.chain_seconds.get(B, 0.0)
+
+    def _time_rebuild(self, B: int, repeats: int) -> float:
+        """The minimum over `repeats` runs (after one that compiles) of the replay rebuild over B rows, every row
+        applying all replay_tokens recorded drafts and writing nothing (planes -1)."""
+        none = np.full((B,), -1, np.int32)
+        n_keep = np.full((B,), self.replay_tokens, np.int32)
+        hidden = np.zeros((B, self.model.cfg.n_embd), np.float32)
+        seconds = float("inf")
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            self.state = self._rebuild(self.model.weights, state=self.state, plane=none, slot=none, n_keep=n_keep,
+                                       hidden=hidden)  # fmt: skip
+            jax.block_until_ready(self.state.ssm)
+            seconds = seconds if i == 0 else min(seconds, time.perf_counter() - start)
+        return seconds
 
     def rebuild_cost(self, n_rows: int) -> float | None:
         """Seconds the replay rebuild adds to a step of n_rows rows (None before `calibrate`)."""

@@ -56,7 +56,7 @@ class ReplayInputs:
     there by the accepted drafts (`model.rebuild`), in the same call, when `run` is set."""
 
     plane: jax.Array  # [B] int32, the row's write plane; -1: not a replay row
-    run: jax.Array  # [] bool: some row replays (calibration sets it with no replay row, to time the rebuild)
+    run: jax.Array  # [] bool: some row replays (the rebuild is skipped otherwise)
 
 
 @pytree
