@@ -80,9 +80,9 @@ def test_draft_model_vocabulary_is_checked(tmp_path):
 
 
 def test_calibration_times_steps_without_touching_sequences(target):
-    """`Runtime.calibrate` times a decoding step, a verify step, the same verify step chaining MTP drafts and
-    running the replay rebuild, on rows that read the null plane and write only the trash page: every plane and
-    every other page is unchanged."""
+    """`Runtime.calibrate` times a decoding step, a verify step and the same verify step chaining MTP drafts, on
+    rows that read the null plane and write only the trash page, and the replay rebuild alone, writing nothing:
+    every plane and every other page is unchanged."""
     runtime = Runtime(target, n_pages=3, n_planes=3, n_chain_max=3, replay_tokens=3,
                       shapes=Shapes(max_rows=1, max_tokens=4, max_logit_rows=4, pages_per_row=2))  # fmt: skip
     rng = np.random.default_rng(6)
