@@ -90,6 +90,8 @@ class Calibration:
     step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens per row) -> a step
     chain_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what one chained MTP draft adds
     rebuild_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what the replay rebuild adds to a step
+    # (rows, tokens per row) -> the longer verify steps that replayed tokens (checkpoint rollback) lead to
+    longer_step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,7 @@ class Runtime:
         self._step, self._chain, self._rebuild = _compiled(model.cfg)
         self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
         self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds the replay rebuild adds to a step
+        self.step_seconds: dict[tuple[int, int], float] = {}  # (batch bucket, tokens per row) -> a verify step
 
     @property
     def replay_tokens(self) -> int:
@@ -340,9 +343,11 @@ class Runtime:
         same verify step chaining n_chain_max drafts on device, whose extra time over n_chain_max is what one
         chained draft adds (a call's time cannot be split into its parts afterwards), and (with a replay pool) the
         replay rebuild alone over every row and n_max drafts, writing nothing: what a step with replay rows adds
-        (too little, at small shapes, to be told from a step's noise as a difference of two steps). The minimum of
-        `repeats` runs each; call after `warmup` (these shapes compile; the rebuild compiles here). Also keeps the
-        chain and rebuild costs for `chain_cost` and `rebuild_cost`."""
+        (too little, at small shapes, to be told from a step's noise as a difference of two steps), and the verify
+        steps of every compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before
+        `last` can lead to (what checkpoint rollback costs). The minimum of `repeats` runs each; call after `warmup` (these
+        shapes compile; the rebuild compiles here). Also keeps the chain, rebuild and step costs for `chain_cost`,
+        `rebuild_cost` and `step_costs`."""
         calibration = Calibration()
         if self.shapes is None:
             return calibration
@@ -350,8 +355,9 @@ class Runtime:
         T_verify = self.shapes.tokens(1 + n)
 
         def best(B: int, T: int, n_chain: int) -> float:
-            rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, [-1] * T, range(T)), drafts=[1] * (T - 1),
-                            n_chain=n_chain) for _ in range(B)]  # fmt: skip
+            n_drafts = min(T - 1, self.shapes.logit_rows(T, False) - 1)  # any tokens before them are replayed ones
+            rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, [-1] * T, range(T - 1 - n_drafts, T)),
+                            drafts=[1] * n_drafts, n_chain=n_chain) for _ in range(B)]  # fmt: skip
             seconds = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
@@ -365,10 +371,14 @@ class Runtime:
             if self.mtp_chain_max:
                 chained = best(B, T_verify, self.mtp_chain_max)
                 calibration.chain_seconds[B] = max(chained - verify, 0.0) / self.mtp_chain_max
-            if self.replay_tokens:
+            if self.replay_tokens:  # what auto weighs: the rebuild, and the steps checkpoints lengthen
                 calibration.rebuild_seconds[B] = self._time_rebuild(B, repeats)
+                lengths = {self.shapes.tokens(k) for k in range(1 + self.replay_tokens, 3 * self.replay_tokens + 2)}
+                for T in sorted(lengths - {T for b, T in calibration.step_seconds if b == B}):
+                    calibration.longer_step_seconds[B, T] = best(B, T, -1)
         self.chain_seconds = dict(calibration.chain_seconds)
         self.rebuild_seconds = dict(calibration.rebuild_seconds)
+        self.step_seconds = {**calibration.step_seconds, **calibration.longer_step_seconds}
         return calibration
 
     def chain_cost(self, n_rows: int) -> float:
@@ -390,6 +400,12 @@ class Runtime:
             jax.block_until_ready(self.state.ssm)
             seconds = seconds if i == 0 else min(seconds, time.perf_counter() - start)
         return seconds
+
+    def step_costs(self, n_rows: int) -> tuple[tuple[int, float], ...]:
+        """((tokens per row, seconds), ...) of the calibrated steps of n_rows rows, ascending (empty before
+        `calibrate`)."""
+        B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
+        return tuple(sorted((T, seconds) for (b, T), seconds in self.step_seconds.items() if b == B))
 
     def rebuild_cost(self, n_rows: int) -> float | None:
         """Seconds the replay rebuild adds to a step of n_rows rows (None before `calibrate`)."""

@@ -211,14 +211,16 @@ class Engine:
         return events
 
     def _rollback_costs(self) -> RollbackCosts:
-        """What a replayed token and the replay rebuild cost now, for the memory rule's choice of rollback mode: the
-        policy's measured per-token cost of a target step, and the rebuild's calibrated cost at this many rows
-        (until calibrated: one token's)."""
+        """What replay and checkpoint cost now, for the memory rule's choice of rollback mode: the rebuild's and the
+        verify steps' calibrated costs at this many rows, and the policy's measured per-token cost of a target
+        step (what replayed tokens cost until calibrated; the rebuild then costs as much as one of them)."""
         params = self.policy.params
         _, per_token = self.policy.costs.target.coefficients(params.cost_ridge, params.target_token_prior,
                                                              default=(1.0, params.target_token_prior))  # fmt: skip
-        rebuild = self.runtime.rebuild_cost(max(self.scheduler.n_running, 1))
-        return RollbackCosts(token_seconds=per_token, rebuild_seconds=per_token if rebuild is None else rebuild)
+        n_rows = max(self.scheduler.n_running, 1)
+        rebuild = self.runtime.rebuild_cost(n_rows)
+        return RollbackCosts(token_seconds=per_token, rebuild_seconds=per_token if rebuild is None else rebuild,
+                             step_seconds=self.runtime.step_costs(n_rows))
 
     def _record_costs(self, plan: StepPlan, rows: list[StepRow], results, seconds: float) -> None:
         """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain

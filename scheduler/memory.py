@@ -18,23 +18,26 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
    (`RollbackCosts.rebuild_seconds`): the device applies the accepted drafts to the state after `last` again, for
    every row of the step at once, so a step pays it once however many rows replay. Checkpoint costs the tokens it
    replays next step: with per-token acceptance alpha (the policy's estimate), d drafts and p replayed tokens
-   before `last`, it replays p + 1 + k tokens when k < d drafts are accepted and nothing when all are, in
-   expectation `expected_replay = sum_{k<d} alpha^k (1 - alpha) (p + 1 + k)` tokens, each at the target's
-   measured per-token cost (`RollbackCosts.token_seconds`).
+   before `last`, it replays p + 1 + k tokens when k < d drafts are accepted and nothing when all are
+   (`expected_replay = sum_{k<d} alpha^k (1 - alpha) (p + 1 + k)` in expectation). Steps are padded to a few
+   compiled lengths, so what those tokens cost is the longer step they cause when the next step's row
+   (p + 2 + k + d tokens instead of 1 + d) crosses a compiled length: `RollbackCosts.checkpoint`, from measured
+   step times (until measured: the expected replayed tokens at the target's per-token cost).
    - rollback="checkpoint": checkpoint.
    - rollback="snapshot": snapshot; when the free planes do not cover d, the draft is shortened until they do
      (d = 0 always fits). These go first: they were promised.
    - rollback="replay": replay, the draft cut to the replay pool's tokens.
    - rollback="auto": snapshot for the sequences where it saves the most expected replayed tokens per extra
      plane, while planes remain (the cheapest mode, where it fits). The rest replay when the step's rebuild costs
-     less than their expected checkpoint replays together, or is paid anyway (a forced replay row in the step),
-     and checkpoint otherwise. Without a replay pool the rest checkpoint.
+     less than what their checkpoints would together cost next step, or is paid anyway (a forced replay row in
+     the step), and checkpoint otherwise. Without a replay pool the rest checkpoint.
    `reserve_planes` is kept free for the admission of waiting requests, so borrowed planes never keep a new
    request queued.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -91,14 +94,36 @@ def expected_replay(alpha: float, n_drafts: int, n_pending: int) -> float:
 
 @dataclass(frozen=True)
 class RollbackCosts:
-    """What the non-snapshot modes cost, in seconds (the engine measures both; any unit works if shared).
+    """What the non-snapshot modes cost, in seconds (the engine measures them; any unit works if shared).
 
-    token_seconds: a token fed to the target (what each token a checkpoint replays costs next step).
     rebuild_seconds: what the replay rebuild adds to a step (once per step, whichever rows replay).
+    step_seconds: ((tokens per row, seconds), ...) ascending: a step of this many rows at each compiled length
+        (steps are padded to these lengths, so a step costs the smallest one that holds its longest row). What a
+        checkpoint's replayed tokens cost is the longer next step they cause. Empty: not measured.
+    token_seconds: a token fed to the target, for replayed tokens where step_seconds does not tell.
     """
 
     token_seconds: float = 1.0
     rebuild_seconds: float = 1.0
+    step_seconds: tuple[tuple[int, float], ...] = ()
+
+    def step(self, n_tokens: int) -> float | None:
+        """Seconds of a step whose longest row feeds n_tokens tokens (None: no measured length holds it)."""
+        return next((seconds for length, seconds in self.step_seconds if length >= n_tokens), None)
+
+    def checkpoint(self, rows: Sequence[tuple[float, int, int]]) -> float:
+        """Expected seconds the next step spends on what checkpoints replay, for rows of (alpha, d, p).
+
+        A checkpoint row that keeps k < d drafts replays p + 1 + k tokens at the front of its next step, which
+        then feeds up to p + 2d + 1 tokens instead of the 1 + d of a row that rolled back by a plane: the step
+        is padded to a longer compiled length when that crosses one, once for all rows. So: the chance that some
+        row replays, times the largest such lengthening. Without measured lengths: the expected replayed tokens
+        at token_seconds each."""
+        jumps = [(self.step(p + 2 * d + 1), self.step(1 + d)) for _, d, p in rows]
+        if not rows or any(longer is None or shorter is None for longer, shorter in jumps):
+            return sum(expected_replay(alpha, d, p) for alpha, d, p in rows) * self.token_seconds
+        none_replays = math.prod(alpha**d for alpha, d, _ in rows)
+        return (1.0 - none_replays) * max(max(longer - shorter, 0.0) for longer, shorter in jumps)
 
 
 @dataclass(frozen=True)
@@ -179,9 +204,8 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
             free_planes -= extra
         else:
             rest.append(i)
-    # The rest replay or checkpoint together: the rebuild is paid once per step.
-    checkpoint_seconds = sum(expected_replay(candidates[i].alpha, lengths[i], candidates[i].n_pending)
-                             for i in rest) * costs.token_seconds  # fmt: skip
+    # The rest replay or checkpoint together: the rebuild, like the longer step checkpoints cause, is paid once.
+    checkpoint_seconds = costs.checkpoint([(candidates[i].alpha, lengths[i], candidates[i].n_pending) for i in rest])
     rebuild_paid = "replay" in modes.values()
     replay = replay_tokens > 0 and (rebuild_paid or costs.rebuild_seconds < checkpoint_seconds)
     for i in sorted(rest):

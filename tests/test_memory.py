@@ -119,6 +119,22 @@ def test_auto_falls_back_to_replay_when_the_rebuild_costs_less_than_the_replayed
     assert (out["half"].mode, out["sure"].mode) == ("snapshot", "replay")
 
 
+def test_checkpoint_costs_the_longer_step_its_replayed_tokens_cause():
+    steps = ((1, 1.0), (4, 2.0), (16, 5.0))  # a step padded to 1, 4 or 16 tokens per row
+    costs = RollbackCosts(token_seconds=0.5, rebuild_seconds=1.0, step_seconds=steps)
+    assert (costs.step(1), costs.step(3), costs.step(5), costs.step(17)) == (1.0, 2.0, 5.0, None)
+    # d = 3: 4 tokens, and up to 7 after a rejection: the next step is padded to 16, 3 seconds more.
+    assert costs.checkpoint([(0.5, 3, 0)]) == pytest.approx((1 - 0.5**3) * 3.0)
+    assert costs.checkpoint([(0.5, 3, 0), (0.5, 3, 0)]) == pytest.approx((1 - 0.5**6) * 3.0)  # paid once
+    assert costs.checkpoint([(1.0, 3, 0)]) == 0.0  # every draft accepted: nothing replayed
+    assert costs.checkpoint([(0.5, 5, 0)]) == 0.0  # 6 tokens and up to 11 fit the same 16
+    # Past the measured lengths: the expected replayed tokens at token_seconds.
+    assert costs.checkpoint([(0.5, 8, 0)]) == pytest.approx(expected_replay(0.5, 8, 0) * 0.5)
+    d = {c.seq_id: c for c in decide_drafts([cand("a", want=3, alpha=0.5)], token_budget=10, free_pages=10,
+                                            free_planes=0, page_size=4, replay_tokens=3, costs=costs)}
+    assert d["a"].mode == "replay"  # 2.6 seconds of checkpoint against 1 of rebuild
+
+
 def test_manager_keeps_reserved_planes_for_admission():
     mem = MemoryManager(PoolSizes(n_pages=10, n_planes=8, page_size=4))
     c = [cand("a", want=3)]
