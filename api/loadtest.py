@@ -244,7 +244,8 @@ class Summary:
             "acceptance": dict(self.acceptance),
             "drafted": {name: {"drafted": d, "accepted": a} for name, (d, a) in self.drafted.items()},
             "draft_token_share": self.draft_token_share,
-            "rollback": {"snapshot": self.rollback.snapshot, "checkpoint": self.rollback.checkpoint},
+            "rollback": {"snapshot": self.rollback.snapshot, "checkpoint": self.rollback.checkpoint,
+                         "replay": self.rollback.replay},
         }
         if config is not None:
             out["config"] = dict(config)
@@ -276,13 +277,14 @@ def summarize(records: Sequence[RequestRecord], wall_s: float | None = None) -> 
     from_drafts = sum(c.n_from_drafts for r in ok for c in r.chunks)
     rates = [x for x in map(_decode_rate, ok) if x is not None]
     drafted: dict[str, tuple[int, int]] = {}
-    snapshot = checkpoint = 0
+    snapshot = checkpoint = replay = 0
     for r in records:
         for name, stats in r.spec.drafters.items():
             d, a = drafted.get(name, (0, 0))
             drafted[name] = (d + stats.drafted, a + stats.accepted)
         snapshot += r.spec.rollback.snapshot
         checkpoint += r.spec.rollback.checkpoint
+        replay += r.spec.rollback.replay
     per_second = (lambda n: n / wall_s) if wall_s > 0 else (lambda n: 0.0)
     return Summary(
         requests=len(records),
@@ -299,7 +301,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float | None = None) -> 
         drafted=dict(sorted(drafted.items())),
         acceptance={name: a / d for name, (d, a) in sorted(drafted.items()) if d > 0},
         draft_token_share=from_drafts / tokens if tokens else None,
-        rollback=RollbackSteps(snapshot=snapshot, checkpoint=checkpoint),
+        rollback=RollbackSteps(snapshot=snapshot, checkpoint=checkpoint, replay=replay),
     )
 
 
@@ -328,7 +330,8 @@ def format_table(summary: Summary) -> str:
             lines.append(f"{name:<12}{d:>10}{a:>10}{_fmt(rate, 3):>10}")
         share = _fmt(None if s.draft_token_share is None else 100 * s.draft_token_share)
         lines.append(f"tokens from accepted drafts: {share} %")
-    lines.append(f"rollback steps: snapshot {s.rollback.snapshot}, checkpoint {s.rollback.checkpoint}")
+    lines.append(f"rollback steps: snapshot {s.rollback.snapshot}, checkpoint {s.rollback.checkpoint}, "
+                 f"replay {s.rollback.replay}")
     return "\n".join(lines)
 
 

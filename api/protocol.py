@@ -154,6 +154,7 @@ class RollbackSteps(Struct, frozen=True):
 
     snapshot: int = 0
     checkpoint: int = 0
+    replay: int = 0
 
 
 class SpecStats(Struct, frozen=True):

@@ -359,7 +359,8 @@ class Server:
                         Failure("internal", done.error or "the server failed"))
         spec = SpecStats(
             drafters={name: DrafterStats(s.drafted, s.accepted) for name, s in done.drafters.items()},
-            rollback=RollbackSteps(done.rollback_steps.get("snapshot", 0), done.rollback_steps.get("checkpoint", 0)),
+            rollback=RollbackSteps(done.rollback_steps.get("snapshot", 0), done.rollback_steps.get("checkpoint", 0),
+                                   done.rollback_steps.get("replay", 0)),
         )
         usage = Usage(done.prompt_tokens, done.completion_tokens)
         return Done(request_id, done.finish_reason, usage, spec, timings)

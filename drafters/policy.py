@@ -61,7 +61,7 @@ from typing import Literal, get_args
 
 from .base import SeqId
 
-Rollback = Literal["auto", "snapshot", "checkpoint"]
+Rollback = Literal["auto", "snapshot", "checkpoint", "replay"]
 """How a request's rejected drafts are rolled back (docs/design.md "Rollback"); "auto" lets the memory rule choose
 per step."""
 ROLLBACK_MODES: tuple[Rollback, ...] = get_args(Rollback)

@@ -37,7 +37,7 @@ def tile_key_heads(x: jax.Array, n_value_heads: int) -> jax.Array:
     return jnp.tile(x, (1,) * (x.ndim - 2) + (n_value_heads // n_key_heads, 1))
 
 
-def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
+def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only: bool = False):
     """Token-serial gated delta rule reading and writing state planes.
 
     q, k:          [B, T, Hk, Dk]  L2-normalised queries and keys
@@ -46,6 +46,8 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
     ssm_pool:      [N, Hv, Dk, Dv] float32 state planes
     read_plane:    [B]             plane holding each row's input state
     write_planes:  [B, T]          plane that receives the state after token t, -1 for none
+    final_only:    each row writes only its final state, to the one plane >= 0 of its write_planes row (if any):
+                   the scan then carries the state alone and scatters once
     returns o [B, T, Hv, Dv] (scaled by 1/sqrt(Dk)) and the updated pool.
     """
     n_planes, n_value_heads, dk, _ = ssm_pool.shape
@@ -65,6 +67,11 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes):
 
     time_major = lambda x: jnp.moveaxis(x, 1, 0)
     xs = tuple(map(time_major, (q, k, v, g, beta)))
+    if final_only:
+        final, out = jax.lax.scan(lambda state, xs_t: advance(state, *xs_t), state, xs)
+        target = jnp.max(write_planes, axis=1)  # [B]
+        target = jnp.where(target < 0, n_planes, target)  # rows writing nothing scatter past the end of the pool
+        return time_major(out), ssm_pool.at[target].set(final.astype(ssm_pool.dtype), mode="drop")
     if T <= SCAN_STATES_MAX_TOKENS:
         # Emit every token's state and scatter once: XLA copies a pool carried through a loop (twice per
         # layer and step), which for a server-sized pool costs far more than T states.
@@ -219,7 +226,7 @@ def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, fi
         raise ValueError(f"{impl!r} writes only the final state; it needs final_only=True")
     interpret = backend != "gpu"
     if impl == "scan":
-        return recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes)
+        return recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only)
     if impl == "chunked":
         return chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes)
     if impl == "pallas_recurrent":

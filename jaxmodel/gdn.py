@@ -1,4 +1,5 @@
-"""The Gated DeltaNet mixer (docs/model.md §4.2) over the conv and SSM plane pools."""
+"""The Gated DeltaNet mixer (docs/model.md §4.2) over the conv and SSM plane pools, and the replay rebuild
+(docs/design.md "Rollback"): the state after the accepted drafts, rebuilt from recorded per-token inputs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
 
 
+def _causal_conv(window: jax.Array, w_conv: jax.Array, T: int) -> jax.Array:
+    """silu of the causal depthwise conv: window [B, C, Kc-1+T] (oldest first), w_conv [C, Kc] -> [B, T, C]."""
+    taps = jnp.stack([window[:, :, j : j + T] for j in range(w_conv.shape[1])], axis=-1)  # [B, C, T, Kc]
+    return jax.nn.silu(jnp.einsum("bctk,ck->btc", taps, w_conv))
+
+
 def gdn_mixer(
     w: GatedDeltaNet,
     cfg: ModelConfig,
@@ -23,19 +30,27 @@ def gdn_mixer(
     read_plane: jax.Array,  # [B]
     write_planes: jax.Array,  # [B, T]
     final_only: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns y [B, T, E] and both pools with the states after each written token stored."""
+    replay_pool: jax.Array | None = None,  # [S, n, C + 2 Hv]
+    record_slot: jax.Array | None = None,  # [B] the replay slot receiving the row's records, -1 for none
+    record_from: jax.Array | None = None,  # [B] the row's first recorded token (its first draft)
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Returns y [B, T, E], both pools with the states after each written token stored, and the replay pool with
+    each recording row's raw conv inputs, g and beta of tokens record_from.. (n of them) in its slot."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
     qkv = linear(x, w.qkv)  # [B, T, C]
     z = linear(x, w.gate).reshape(B, T, Hv, Dk)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(x, w.beta)), 0.0)  # [B, T, Hv]
     g = jnp.where(valid[..., None], jax.nn.softplus(linear(x, w.alpha) + w.dt_bias) * w.a, 0.0)
+    if replay_pool is not None and record_slot is not None:
+        n = replay_pool.shape[1]
+        index = jnp.minimum(record_from[:, None] + jnp.arange(n)[None, :], T - 1)  # [B, n]; past the row: unused
+        records = jnp.take_along_axis(jnp.concatenate([qkv, g, beta], axis=-1), index[..., None], axis=1)
+        replay_pool = scatter_planes(replay_pool, record_slot, records)
 
     # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first.
     window = jnp.concatenate([read_planes(conv_pool, read_plane), jnp.swapaxes(qkv, 1, 2)], axis=2)  # [B, C, Kc-1+T]
-    taps = jnp.stack([window[:, :, j : j + T] for j in range(Kc)], axis=-1)  # [B, C, T, Kc]
-    conv = jax.nn.silu(jnp.einsum("bctk,ck->btc", taps, w.conv))  # [B, T, C]
+    conv = _causal_conv(window, w.conv, T)  # [B, T, C]
 
     q = l2_norm(conv[..., : Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
     k = l2_norm(conv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
@@ -53,4 +68,46 @@ def gdn_mixer(
         conv_pool = scatter_planes(conv_pool, write_planes.reshape(B * T), after)
 
     o = rms_norm(o, w.norm, cfg.norm_eps) * jax.nn.silu(z)
-    return linear(o.reshape(B, T, Hv * Dk), w.out), conv_pool, ssm_pool
+    return linear(o.reshape(B, T, Hv * Dk), w.out), conv_pool, ssm_pool, replay_pool
+
+
+def gdn_rebuild(
+    ws: list[GatedDeltaNet],
+    cfg: ModelConfig,
+    conv_pools: list[jax.Array],  # per GDN layer [N, C, Kc-1]
+    ssm_pools: list[jax.Array],  # per GDN layer [N, Hv, Dk, Dv]
+    replay_pools: list[jax.Array],  # per GDN layer [S, n, C + 2 Hv]
+    plane: jax.Array,  # [B] the plane to rebuild, -1 for none
+    slot: jax.Array,  # [B] the row's replay slot
+    n_keep: jax.Array,  # [B] recorded tokens to apply (the accepted drafts), 0..n
+) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Advance the state in `plane` (the state after `last`, which the step's forward wrote there) by the first
+    n_keep[b] recorded tokens of slot[b], in every GDN layer, and write it back: the conv over the recorded raw
+    inputs gives k and v again (the projections are not recomputed), then the delta rule runs with g = beta = 0
+    past n_keep (which leaves the state alone) and writes the final state. All layers run as one batch of
+    L x B rows (one recurrence to compile, not L). Returns both pools of every layer."""
+    L, B = len(ws), plane.shape[0]
+    n = replay_pools[0].shape[1]
+    Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
+    C = cfg.conv_channels
+    source = jnp.maximum(plane, 0)  # rows rebuilding nothing read the null plane
+    records = jnp.stack([read_planes(pool, jnp.maximum(slot, 0)) for pool in replay_pools])  # [L, B, n, C + 2 Hv]
+    keep = (jnp.arange(n)[None, :] < n_keep[:, None])[None, ..., None]  # [1, B, n, 1]
+    g = jnp.where(keep, records[..., C : C + Hv], 0.0).reshape(L * B, n, Hv)
+    beta = jnp.where(keep, records[..., C + Hv :], 0.0).reshape(L * B, n, Hv)
+    window = jnp.concatenate([jnp.stack([read_planes(pool, source) for pool in conv_pools]),
+                              jnp.swapaxes(records[..., :C], 2, 3)], axis=3)  # [L, B, C, Kc-1+n]
+    taps = jnp.stack([window[:, :, Hk * Dk :, j : j + n] for j in range(Kc)], axis=-1)  # k, v channels only
+    kv = jax.nn.silu(jnp.einsum("lbctk,lck->lbtc", taps, jnp.stack([w.conv[Hk * Dk :] for w in ws])))
+    k = l2_norm(kv[..., : Hk * Dk].reshape(L * B, n, Hk, Dk), cfg.norm_eps)
+    v = kv[..., Hk * Dk :].reshape(L * B, n, Hv, Dk)
+    # The L x B input states as a pool of their own, each row rewriting its plane with its final state.
+    states = jnp.stack([read_planes(pool, source) for pool in ssm_pools]).reshape((L * B,) + ssm_pools[0].shape[1:])
+    rows = jnp.arange(L * B, dtype=jnp.int32)
+    writes = jnp.full((L * B, n), -1, jnp.int32).at[:, n - 1].set(rows)  # the final state, as final_only requires
+    _, states = gated_delta_rule(k, k, v, g, beta, states, rows, writes, final_only=True)
+    states = states.reshape((L, B) + ssm_pools[0].shape[1:])
+    after = jax.vmap(jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t, Kc - 1, axis=1), (0, 0)),
+                     (0, None))(window, n_keep)  # [L, B, C, Kc-1]
+    return ([scatter_planes(pool, plane, after[j]) for j, pool in enumerate(conv_pools)],
+            [scatter_planes(pool, plane, states[j]) for j, pool in enumerate(ssm_pools)])

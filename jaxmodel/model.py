@@ -6,6 +6,7 @@ its own KV pages and GDN planes (docs/design.md "State: pools and tables"). `Mod
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -14,13 +15,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .gdn import gdn_mixer
+from .gdn import gdn_mixer, gdn_rebuild
 from .gguf_io import read_gguf, to_device
 from .layers import linear, paged_attention, rms_norm
 from .moe import ffn
 from .precision import cast_matmul_weights, default_weight_dtype
 from .state import ModelState, Row, StepBatch, StepOutput, bucket, init_state, pack_batch, scatter_planes
-from .weights import Layer, Mtp, Weights
+from .weights import Layer, Mtp, Weights, pytree
+
+
+@pytree
+class Record:
+    """Which rows of a step record replay inputs (docs/design.md "Rollback", replay): slot [B] the replay slot of
+    the row (-1: none), first [B] the row's first recorded token (its first draft)."""
+
+    slot: jax.Array
+    first: jax.Array
 
 
 def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array) -> jax.Array:
@@ -29,29 +39,36 @@ def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array) -> jax.Array
 
 
 def forward(
-    weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, final_only: bool = False
+    weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, final_only: bool = False,
+    record: Record | None = None,
 ) -> tuple[StepOutput, ModelState]:
     """One step of the target model over a padded batch.
 
     batch: tokens/positions/write_planes [B, T], n_tokens/read_plane [B], page_table [B, P], logit_rows [B, R].
     final_only: every row writes at most its final state (a prefill chunk), enabling the chunked GDN form.
+    record: rows whose GDN inputs go to the replay pool (`rebuild` reads them), if the state has one.
     Returns logits [B, R, V], post-norm hidden [B, T, E] and the state with this step's K/V and planes written.
     """
     T = batch.tokens.shape[1]
     valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]  # [B, T]
     x = weights.embed[batch.tokens].astype(jnp.float32)  # [B, T, E]
     k_pages, v_pages = list(state.k_pages), list(state.v_pages)
-    conv, ssm = list(state.conv), list(state.ssm)
+    conv, ssm, replay = list(state.conv), list(state.ssm), list(state.replay)
+    recording = record is not None and bool(replay)
     attn_index = {layer: i for i, layer in enumerate(cfg.attn_layers)}
     gdn_index = {layer: i for i, layer in enumerate(cfg.gdn_layers)}
     for li, layer in enumerate(weights.layers):
         h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
         if cfg.recurrent[li]:
             j = gdn_index[li]
-            y, conv[j], ssm[j] = gdn_mixer(
+            y, conv[j], ssm[j], pool = gdn_mixer(
                 layer.mixer, cfg, h, valid, batch.n_tokens, conv[j], ssm[j],
                 batch.read_plane, batch.write_planes, final_only,
+                replay[j] if recording else None, record.slot if recording else None,
+                record.first if recording else None,
             )  # fmt: skip
+            if recording:
+                replay[j] = pool
         else:
             j = attn_index[li]
             y, k_pages[j], v_pages[j] = paged_attention(
@@ -61,8 +78,22 @@ def forward(
     hidden = rms_norm(x, weights.output_norm, cfg.norm_eps)
     out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, weights.output), hidden=hidden)
     new_state = ModelState(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm),
-                           hidden=_write_hidden(state.hidden, hidden, batch, final_only))
+                           hidden=_write_hidden(state.hidden, hidden, batch, final_only), replay=tuple(replay))
     return out, new_state
+
+
+def rebuild(weights: Weights, cfg: ModelConfig, state: ModelState, plane: jax.Array, slot: jax.Array,
+            n_keep: jax.Array, hidden: jax.Array) -> ModelState:
+    """Replay rollback (docs/design.md "Rollback"): advance each row's `plane` [B] (-1: none), which holds the
+    state after `last`, by its first n_keep [B] recorded drafts (replay slot [B]) in every GDN layer, and store
+    `hidden` [B, E] (the target's post-norm hidden of the last kept token) beside it. No projection and no
+    other layer runs: `gdn.gdn_rebuild`."""
+    if not cfg.gdn_layers:
+        return state
+    mixers = [weights.layers[li].mixer for li in cfg.gdn_layers]
+    conv, ssm = gdn_rebuild(mixers, cfg, list(state.conv), list(state.ssm), list(state.replay), plane, slot, n_keep)
+    return dataclasses.replace(state, conv=tuple(conv), ssm=tuple(ssm),
+                               hidden=scatter_planes(state.hidden, plane, hidden))
 
 
 def _write_hidden(pool: jax.Array, hidden: jax.Array, batch: StepBatch, final_only: bool) -> jax.Array:
@@ -103,8 +134,8 @@ def mtp_forward(
     hidden = rms_norm(u, mtp.head_norm, cfg.norm_eps)
     head = mtp.head if vocab is None else mtp.head[:, :vocab]
     out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, head), hidden=hidden)
-    new_state = ModelState(k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,),
-                           conv=state.conv, ssm=state.ssm, hidden=state.hidden)
+    new_state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + (k_mtp,),
+                                    v_pages=state.v_pages[:-1] + (v_mtp,))
     return out, new_state
 
 
@@ -122,8 +153,10 @@ class Model:
     def has_mtp(self) -> bool:
         return self.weights.mtp is not None
 
-    def new_state(self, n_pages: int, n_planes: int, page_size: int = 16) -> ModelState:
-        return init_state(self.cfg, n_pages, n_planes, page_size)
+    def new_state(self, n_pages: int, n_planes: int, page_size: int = 16, replay_slots: int = 0,
+                  replay_tokens: int = 0) -> ModelState:
+        return init_state(self.cfg, n_pages, n_planes, page_size, replay_slots=replay_slots,
+                          replay_tokens=replay_tokens)
 
     def score(self, token_ids, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
         """Logits [T, V] and post-norm hidden [T, E] of one fresh sequence, through the batched step.

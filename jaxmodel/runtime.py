@@ -18,9 +18,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .delta_rule import CPU_CHUNKED_MIN_TOKENS
-from .model import Model
+from .model import Model, rebuild
 from .sampling import SamplingParams
-from .speculative import ChainInputs, LoopInputs, VerifyInputs, draft_chain, speculative_step
+from .speculative import ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain, speculative_step
 from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, pack_batch
 
 
@@ -52,6 +52,9 @@ class StepRow:
     `row.logit_rows` must be the indices of `last` and of each draft among the fed tokens (empty: nothing is
     committed, e.g. an intermediate prompt chunk). n_chain: -1 leaves the MTP head alone, 0 has it catch up on the
     committed tokens, n > 0 also chains up to n drafts for the next step, stopping below p_min.
+    replay: replay rollback (docs/design.md "Rollback"): the row writes the state after `last` into
+    `row.write_planes` at `last` (and nothing else), and the call advances that plane by the accepted drafts
+    after verification. Needs a runtime with a replay pool of at least len(drafts) tokens.
     """
 
     row: Row
@@ -60,6 +63,7 @@ class StepRow:
     n_chain: int = -1
     p_min: float = 0.0
     loop: RowLoop | None = None
+    replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,9 @@ class Calibration:
 
     step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens per row) -> a step
     chain_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what one chained MTP draft adds
+    rebuild_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what the replay rebuild adds to a step
+    # (rows, tokens per row) -> the longer verify steps that replayed tokens (checkpoint rollback) lead to
+    longer_step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,11 +137,12 @@ LOOP_MAX_TOKENS = 16
 
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: ModelConfig):
-    """The jitted step and chain of a config, shared by every runtime of it (so their compilations are too)."""
+    """The jitted step, chain and replay rebuild (timed alone by `calibrate`) of a config, shared by every runtime
+    of it (so their compilations are too)."""
     step = jax.jit(functools.partial(speculative_step, cfg=cfg),
                    static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab"), donate_argnames="state")
     chain = jax.jit(functools.partial(draft_chain, cfg=cfg), static_argnames="n_max", donate_argnames="state")
-    return step, chain
+    return step, chain, jax.jit(functools.partial(rebuild, cfg=cfg), donate_argnames="state")
 
 
 class Runtime:
@@ -143,12 +151,15 @@ class Runtime:
     n_chain_max: the longest draft chain a step computes on device (the MTP head's for a target, the whole chain
     for a draft model); 0 for none. max_iterations: the most iterations one step may run (short steps only).
     stop_ids: end-of-generation ids, which end a row's iterations on device. draft_vocab: the MTP head drafts
-    among the token ids below it (None: all).
+    among the token ids below it (None: all). replay_tokens: the longest draft a row in replay rollback may verify
+    (the replay pool holds that many tokens for each of `replay_slots` rows, by default `shapes.max_rows`; 0: no
+    replay pool, and no rebuild compiled).
     """
 
     def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,
                  shapes: Shapes | None = None, n_chain_max: int = 0, max_iterations: int = 1,
-                 stop_ids: Sequence[int] = (), draft_vocab: int | None = None):
+                 stop_ids: Sequence[int] = (), draft_vocab: int | None = None, replay_tokens: int = 0,
+                 replay_slots: int | None = None):
         self.model = model
         self.page_size = page_size
         self.shapes = shapes
@@ -156,9 +167,25 @@ class Runtime:
         self.max_iterations = max_iterations
         self.draft_vocab = draft_vocab if draft_vocab and draft_vocab < model.cfg.n_vocab else None
         self.stop_ids = np.asarray(sorted(stop_ids) or [-1], np.int32)
-        self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size)
-        self._step, self._chain = _compiled(model.cfg)
+        if replay_slots is None:
+            replay_slots = shapes.max_rows if shapes is not None else 1
+        replay_slots = replay_slots if model.cfg.gdn_layers else 0
+        self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size,
+                                     replay_slots=replay_slots, replay_tokens=replay_tokens)
+        self._step, self._chain, self._rebuild = _compiled(model.cfg)
         self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
+        self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds the replay rebuild adds to a step
+        self.step_seconds: dict[tuple[int, int], float] = {}  # (batch bucket, tokens per row) -> a verify step
+
+    @property
+    def replay_tokens(self) -> int:
+        """The longest draft a replay row may verify (0: this runtime has no replay pool)."""
+        return self.state.replay_tokens
+
+    @property
+    def replay_slots(self) -> int:
+        """Rows of a step that may be in replay rollback: the rows with index below it."""
+        return self.state.replay[0].shape[0] if self.state.replay else 0
 
     @property
     def mtp_chain_max(self) -> int:
@@ -198,8 +225,9 @@ class Runtime:
         loop = self._loop_inputs(rows, B, min(iterations, max_iterations)) if max_iterations > 1 else None
         (out, more), self.state = self._step(
             self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
-            final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
-            draft_vocab=self.draft_vocab,
+            replay=self._replay_inputs(rows, B, T, final_only), final_only=final_only,
+            n_max=self.mtp_chain_max,
+            max_iterations=max_iterations, draft_vocab=self.draft_vocab,
         )  # fmt: skip
         n_accepted, tokens, drafts, n_drafted, more = jax.device_get(
             (out.n_accepted, out.tokens, out.drafts, out.n_drafted, more)
@@ -218,6 +246,22 @@ class Runtime:
                                            more.tokens[j, b, : a_j + 1].tolist()))  # fmt: skip
             results.append(RowResult(a, tokens[b, : a + 1].tolist(), drafts[b, : n_drafted[b]].tolist(), later))
         return results
+
+    def _replay_inputs(self, rows: Sequence[StepRow], B: int, T: int, final_only: bool) -> ReplayInputs | None:
+        """The replay rows' planes. None where no row can replay, so that no rebuild compiles there: without a
+        replay pool, and in shapes that carry no draft (one token per row, prefill-only steps)."""
+        if not self.replay_tokens or T == 1 or final_only:
+            if any(r.replay for r in rows):
+                raise ValueError("a replay row needs a runtime with a replay pool and a step shape with drafts")
+            return None
+        plane = np.full((B,), -1, np.int32)
+        for b, r in enumerate(rows):
+            if r.replay:
+                if b >= self.replay_slots or len(r.drafts) > self.replay_tokens or r.loop is not None:
+                    raise ValueError(f"row {b}: replay needs a replay slot, at most {self.replay_tokens} drafts "
+                                     f"and no later iterations")  # fmt: skip
+                plane[b] = r.row.write_planes[r.row.logit_rows[0]]
+        return ReplayInputs(plane, np.bool_((plane >= 0).any()))
 
     def _loop_inputs(self, rows: Sequence[StepRow], B: int, iterations: int) -> LoopInputs:
         width = self.mtp_chain_max + 2
@@ -287,18 +331,23 @@ class Runtime:
             loop = self._loop_inputs([], B, 1) if max_iterations > 1 else None
             (out, _), self.state = self._step(
                 self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
-                final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
-                draft_vocab=self.draft_vocab,
+                replay=self._replay_inputs([], B, T, final_only), final_only=final_only, n_max=self.mtp_chain_max,
+                max_iterations=max_iterations, draft_vocab=self.draft_vocab,
             )  # fmt: skip
             jax.block_until_ready(out.tokens)
             yield B, T
 
     def calibrate(self, repeats: int = 5) -> Calibration:
         """Time warm steps of every batch bucket B on rows that feed the trash page from the null plane and write
-        nothing else: a decoding step (T = 1), a verify step of 1 + n_chain_max tokens, and (with MTP drafting)
-        the same verify step chaining n_chain_max drafts on device, whose extra time over n_chain_max is what one
-        chained draft adds (a call's time cannot be split into its parts afterwards). The minimum of `repeats`
-        runs each; call after `warmup` (these shapes compile). Also keeps the chain costs for `chain_cost`."""
+        nothing else: a decoding step (T = 1), a verify step of 1 + n_chain_max tokens, (with MTP drafting) the
+        same verify step chaining n_chain_max drafts on device, whose extra time over n_chain_max is what one
+        chained draft adds (a call's time cannot be split into its parts afterwards), and (with a replay pool) the
+        replay rebuild alone over every row and n_max drafts, writing nothing: what a step with replay rows adds
+        (too little, at small shapes, to be told from a step's noise as a difference of two steps), and the verify
+        steps of every compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before
+        `last` can lead to (what checkpoint rollback costs). The minimum of `repeats` runs each; call after `warmup` (these
+        shapes compile; the rebuild compiles here). Also keeps the chain, rebuild and step costs for `chain_cost`,
+        `rebuild_cost` and `step_costs`."""
         calibration = Calibration()
         if self.shapes is None:
             return calibration
@@ -306,8 +355,9 @@ class Runtime:
         T_verify = self.shapes.tokens(1 + n)
 
         def best(B: int, T: int, n_chain: int) -> float:
-            rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, [-1] * T, range(T)), drafts=[1] * (T - 1),
-                            n_chain=n_chain) for _ in range(B)]  # fmt: skip
+            n_drafts = min(T - 1, self.shapes.logit_rows(T, False) - 1)  # any tokens before them are replayed ones
+            rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, [-1] * T, range(T - 1 - n_drafts, T)),
+                            drafts=[1] * n_drafts, n_chain=n_chain) for _ in range(B)]  # fmt: skip
             seconds = float("inf")
             for _ in range(repeats):
                 start = time.perf_counter()
@@ -321,13 +371,46 @@ class Runtime:
             if self.mtp_chain_max:
                 chained = best(B, T_verify, self.mtp_chain_max)
                 calibration.chain_seconds[B] = max(chained - verify, 0.0) / self.mtp_chain_max
+            if self.replay_tokens:  # what auto weighs: the rebuild, and the steps checkpoints lengthen
+                calibration.rebuild_seconds[B] = self._time_rebuild(B, repeats)
+                lengths = {self.shapes.tokens(k) for k in range(1 + self.replay_tokens, 3 * self.replay_tokens + 2)}
+                for T in sorted(lengths - {T for b, T in calibration.step_seconds if b == B}):
+                    calibration.longer_step_seconds[B, T] = best(B, T, -1)
         self.chain_seconds = dict(calibration.chain_seconds)
+        self.rebuild_seconds = dict(calibration.rebuild_seconds)
+        self.step_seconds = {**calibration.step_seconds, **calibration.longer_step_seconds}
         return calibration
 
     def chain_cost(self, n_rows: int) -> float:
         """Seconds one chained draft adds to a step of n_rows rows (0 before `calibrate`)."""
         B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
         return self.chain_seconds.get(B, 0.0)
+
+    def _time_rebuild(self, B: int, repeats: int) -> float:
+        """The minimum over `repeats` runs (after one that compiles) of the replay rebuild over B rows, every row
+        applying all replay_tokens recorded drafts and writing nothing (planes -1)."""
+        none = np.full((B,), -1, np.int32)
+        n_keep = np.full((B,), self.replay_tokens, np.int32)
+        hidden = np.zeros((B, self.model.cfg.n_embd), np.float32)
+        seconds = float("inf")
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            self.state = self._rebuild(self.model.weights, state=self.state, plane=none, slot=none, n_keep=n_keep,
+                                       hidden=hidden)  # fmt: skip
+            jax.block_until_ready(self.state.ssm)
+            seconds = seconds if i == 0 else min(seconds, time.perf_counter() - start)
+        return seconds
+
+    def step_costs(self, n_rows: int) -> tuple[tuple[int, float], ...]:
+        """((tokens per row, seconds), ...) of the calibrated steps of n_rows rows, ascending (empty before
+        `calibrate`)."""
+        B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
+        return tuple(sorted((T, seconds) for (b, T), seconds in self.step_seconds.items() if b == B))
+
+    def rebuild_cost(self, n_rows: int) -> float | None:
+        """Seconds the replay rebuild adds to a step of n_rows rows (None before `calibrate`)."""
+        B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
+        return self.rebuild_seconds.get(B)
 
     def warmup_chain(self) -> Iterator[tuple[int, int]]:
         """Compile a draft model's chain and catch-up shapes, one (B, T) per iteration, as `warmup` does."""

@@ -17,12 +17,14 @@ entry for a committed position.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
 from .layers import linear
-from .model import forward, mtp_forward
+from .model import Record, forward, mtp_forward, rebuild
 from .sampling import SamplingParams, verify
 from .state import ModelState, StepBatch, read_planes
 from .weights import Weights, pytree
@@ -45,6 +47,16 @@ class ChainInputs:
 
     n_chain: jax.Array  # [B] int32: -1 no MTP at all, 0 catch-up only, n > 0 catch-up and up to n drafts
     p_min: jax.Array  # [B] float32
+
+
+@pytree
+class ReplayInputs:
+    """Rows in replay rollback (docs/design.md "Rollback"). Such a row's forward writes the state after `last` into
+    `plane` and records its drafts' GDN inputs in replay slot b (its row); after verification the state is advanced
+    there by the accepted drafts (`model.rebuild`), in the same call, when `run` is set."""
+
+    plane: jax.Array  # [B] int32, the row's write plane; -1: not a replay row
+    run: jax.Array  # [] bool: some row replays (the rebuild is skipped otherwise)
 
 
 @pytree
@@ -140,7 +152,8 @@ def _chain(weights, cfg, page_table, own_hidden, bonus_position, chaining, chain
 
 def iteration(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
-    chain: ChainInputs, *, final_only: bool = False, n_max: int = 0, draft_vocab: int | None = None,
+    chain: ChainInputs, replay: ReplayInputs | None = None, *, final_only: bool = False, n_max: int = 0,
+    draft_vocab: int | None = None,
 ) -> tuple[SpeculativeOutput, ModelState]:
     """Target forward, verification and (n_max > 0, the model has MTP) the next MTP drafts.
 
@@ -151,23 +164,38 @@ def iteration(
 
     batch as `forward`; rows verify their drafts `verify_in.drafts` (the last n_drafts of their tokens). Rows
     without logit rows (intermediate prompt chunks) commit nothing: their n_accepted is 0 and their tokens are
-    to be ignored. Returns the small outputs and the new state.
+    to be ignored. replay: rows in replay rollback, whose state after the accepted drafts is rebuilt after
+    verification (needs the state's replay pool). Returns the small outputs and the new state.
     """
+    B = batch.tokens.shape[0]
     hidden_before = read_planes(state.hidden, batch.read_plane)  # [B, E] before the step overwrites planes
-    out, state = forward(weights, cfg, batch, state, final_only=final_only)
+    replaying = replay is not None and bool(state.replay)
+    slot = jnp.where(replay.plane >= 0, jnp.arange(B, dtype=jnp.int32), -1) if replaying else None
+    record = Record(slot, batch.n_tokens - verify_in.n_drafts) if replaying else None
+    out, state = forward(weights, cfg, batch, state, final_only=final_only, record=record)
     n_accepted, tokens = verify(out.logits, verify_in.drafts, None, verify_in.n_drafts, verify_in.sampling,
                                 verify_in.positions)  # fmt: skip
-    B = tokens.shape[0]
+    n_kept = batch.n_tokens - verify_in.n_drafts + n_accepted  # leading fed tokens committed
+    if replaying:
+        kept_hidden = jnp.take_along_axis(out.hidden, jnp.maximum(n_kept - 1, 0)[:, None, None], axis=1)[:, 0]
+        # The KV pages stay out of the branch: it changes only the GDN and hidden pools (in place; none is copied).
+        gdn = dataclasses.replace(state, k_pages=(), v_pages=())
+        gdn = jax.lax.cond(
+            replay.run,
+            lambda gdn: rebuild(weights, cfg, gdn, replay.plane, slot, n_accepted, kept_hidden),
+            lambda gdn: gdn,
+            gdn,
+        )  # fmt: skip
+        state = dataclasses.replace(gdn, k_pages=state.k_pages, v_pages=state.v_pages)
     if n_max == 0 or weights.mtp is None:
         empty = jnp.zeros((B, 1), jnp.int32)
         return SpeculativeOutput(n_accepted, tokens, empty, jnp.zeros((B,), jnp.int32)), state
     has_bonus = verify_in.commits
-    n_kept = batch.n_tokens - verify_in.n_drafts + n_accepted
     bonus = jnp.take_along_axis(tokens, n_accepted[:, None], axis=1)[:, 0]
 
     # Only the MTP block's KV pages pass through the branch: XLA copies what a conditional carries.
     mtp_kv = ModelState(k_pages=state.k_pages[-1:], v_pages=state.v_pages[-1:], conv=(), ssm=(),
-                        hidden=jnp.zeros((0,), jnp.float32))
+                        hidden=jnp.zeros((0,), jnp.float32), replay=())
 
     def with_mtp(mtp_kv):
         return mtp_catch_up_and_chain(weights, cfg, batch, out.hidden, hidden_before, n_kept, bonus, has_bonus,
@@ -177,8 +205,8 @@ def iteration(
         return jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), mtp_kv
 
     drafts, n_drafted, mtp_kv = jax.lax.cond(jnp.any(chain.n_chain >= 0), with_mtp, without, mtp_kv)
-    state = ModelState(k_pages=state.k_pages[:-1] + mtp_kv.k_pages, v_pages=state.v_pages[:-1] + mtp_kv.v_pages,
-                       conv=state.conv, ssm=state.ssm, hidden=state.hidden)
+    state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + mtp_kv.k_pages,
+                                v_pages=state.v_pages[:-1] + mtp_kv.v_pages)
     return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), state
 
 
@@ -224,18 +252,20 @@ def _stops(tokens: jax.Array, n_committed: jax.Array, stop_ids: jax.Array) -> ja
 
 def speculative_step(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
-    chain: ChainInputs, loop: LoopInputs | None = None, *, final_only: bool = False, n_max: int = 0,
-    max_iterations: int = 1, draft_vocab: int | None = None,
+    chain: ChainInputs, loop: LoopInputs | None = None, replay: ReplayInputs | None = None, *,
+    final_only: bool = False, n_max: int = 0, max_iterations: int = 1, draft_vocab: int | None = None,
 ) -> tuple[tuple[SpeculativeOutput, LoopOutput | None], ModelState]:
     """One engine step in one call: `iteration` over the batch, then, for the rows `loop` lets continue, up to
     loop.n_iterations - 1 more iterations (each feeding the bonus token and the MTP drafts of the one before),
     stopping a row at an end-of-generation id, its token budget or the end of its pages.
 
+    replay: rows in replay rollback in the first iteration (they run no later ones).
+
     Returns the first iteration's output (its drafts are the ones after the row's last iteration), the later
     iterations' record (None without `loop`) and the state.
     """
-    first, state = iteration(weights, cfg, batch, state, verify_in, chain, final_only=final_only, n_max=n_max,
-                             draft_vocab=draft_vocab)  # fmt: skip
+    first, state = iteration(weights, cfg, batch, state, verify_in, chain, replay, final_only=final_only,
+                             n_max=n_max, draft_vocab=draft_vocab)  # fmt: skip
     if loop is None or max_iterations <= 1:
         return (first, None), state
     B, T = batch.tokens.shape

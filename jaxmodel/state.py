@@ -29,6 +29,11 @@ class ModelState:
     # [n_planes, E] the target's post-norm hidden after the plane's last token: what the MTP block pairs with the
     # next token. Kept beside the GDN state so that every rollback moves it too.
     hidden: jax.Array
+    # Replay records (docs/design.md "Rollback"), per GDN layer: [n_slots, n_tokens, C + 2 Hv], one slot per row of
+    # a step, holding the raw conv inputs, g and beta of the row's drafts, written by the forward and read after
+    # verification in the same device call to rebuild the state after the last accepted draft. () when the
+    # runtime has no replay pool.
+    replay: tuple[jax.Array, ...] = ()
 
     @property
     def n_pages(self) -> int:
@@ -41,6 +46,11 @@ class ModelState:
     @property
     def n_planes(self) -> int:
         return self.ssm[0].shape[0] if self.ssm else 0
+
+    @property
+    def replay_tokens(self) -> int:
+        """Draft tokens a replay slot records (0: no replay pool)."""
+        return self.replay[0].shape[1] if self.replay else 0
 
 
 @pytree
@@ -74,8 +84,20 @@ def bytes_per_plane(cfg: ModelConfig) -> int:
     return 4 * (per_layer * len(cfg.gdn_layers) + cfg.n_embd)
 
 
-def init_state(cfg: ModelConfig, n_pages: int, n_planes: int, page_size: int = 16, kv_dtype=jnp.float32) -> ModelState:
-    """Zeroed pools. n_pages and n_planes include the trash page and the null plane."""
+def replay_width(cfg: ModelConfig) -> int:
+    """Floats one replay record holds per token and GDN layer: the raw conv inputs (C), g and beta (Hv each)."""
+    return cfg.conv_channels + 2 * cfg.ssm_heads
+
+
+def replay_bytes_per_token(cfg: ModelConfig) -> int:
+    """Bytes of one token's replay record across all GDN layers (float32)."""
+    return 4 * replay_width(cfg) * len(cfg.gdn_layers)
+
+
+def init_state(cfg: ModelConfig, n_pages: int, n_planes: int, page_size: int = 16, kv_dtype=jnp.float32,
+               replay_slots: int = 0, replay_tokens: int = 0) -> ModelState:
+    """Zeroed pools. n_pages and n_planes include the trash page and the null plane. replay_slots x replay_tokens:
+    the replay pool (rows of a step x draft tokens recorded per row); none when either is 0."""
     attn_layers = len(cfg.attn_layers) + cfg.n_mtp
     kv_shape = (n_pages, page_size, cfg.n_head_kv, cfg.head_dim)
     n_gdn = len(cfg.gdn_layers)
@@ -85,6 +107,8 @@ def init_state(cfg: ModelConfig, n_pages: int, n_planes: int, page_size: int = 1
         conv=tuple(jnp.zeros((n_planes, cfg.conv_channels, cfg.conv_kernel - 1), jnp.float32) for _ in range(n_gdn)),
         ssm=tuple(jnp.zeros((n_planes, cfg.ssm_heads, cfg.ssm_state, cfg.ssm_state), jnp.float32) for _ in range(n_gdn)),
         hidden=jnp.zeros((n_planes, cfg.n_embd), jnp.float32),
+        replay=tuple(jnp.zeros((replay_slots, replay_tokens, replay_width(cfg)), jnp.float32)
+                     for _ in range(n_gdn) if replay_slots and replay_tokens),
     )
 
 

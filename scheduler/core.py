@@ -14,7 +14,9 @@ chunk) or all of it (replayed tokens, then `last`, the newest token) followed by
 - snapshot: the state after `last` and after each draft goes to its own plane; after a accepted drafts the plane
   holding the state after drafts[a-1] (or `last`) becomes live and everything up to it counts as computed;
 - checkpoint: only the final state is written, to the spare plane; it becomes live if every draft was accepted,
-  otherwise the read plane stays live and all tokens fed since it are replayed in the next step.
+  otherwise the read plane stays live and all tokens fed since it are replayed in the next step;
+- replay: the state after `last` is written to the spare plane and the device advances it by the accepted drafts
+  in the same call; it becomes live and everything up to the last accepted draft counts as computed.
 The attention KV needs no rollback: n_computed is set back and later writes overwrite.
 
 Per step, in order:
@@ -36,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from .memory import DraftCandidate, MemoryManager, pages_for
+from .memory import DraftCandidate, MemoryManager, RollbackCosts, pages_for
 from .stops import scan_stop_strings
 from .types import (UNNAMED_DRAFTER, Committed, Continued, Detokenizer, DoneEvent, DraftPlan, DraftStats, Event,
                     FinishReason, Mode, Request, Row, SeqId, StepPlan, TokensEvent)
@@ -63,7 +65,7 @@ class _Sequence:
     abort_requested: bool = False
     preemptions: int = 0
     draft_stats: dict[str, list[int]] = field(default_factory=dict)
-    rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0})
+    rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0, "replay": 0})
 
     @property
     def running(self) -> bool:
@@ -88,6 +90,7 @@ class Scheduler:
     detokenizer: makes one incremental detokenizer per request (for stop strings and text deltas).
     max_model_len: positions per sequence; prompt + output never exceed it (finish reason "length").
     token_budget: tokens fed per step, drafts included (an attribute the engine may change between steps).
+    rollback_costs: what replay and checkpoint cost, for rollback="auto" (an attribute the engine keeps measured).
     max_running: sequences holding memory at once.
     chunk_size: the most tokens one row feeds before its drafts (prompt chunks, replays); default token_budget.
     """
@@ -107,6 +110,7 @@ class Scheduler:
         self.max_running = max_running
         self.chunk_size = chunk_size or token_budget
         self.lookahead = 0  # positions beyond a step's tokens worth holding pages for, while nobody waits
+        self.rollback_costs = RollbackCosts()  # what replay and checkpoint cost, for rollback="auto" (the engine's)
         self._detokenizer = detokenizer
         self._seqs: dict[SeqId, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
@@ -361,7 +365,8 @@ class Scheduler:
             return budget
         reserve = PLANES_PER_SEQUENCE * min(len(self._waiting), self.max_running - len(self._running))
         by_id = {spec.seq.request.seq_id: spec for spec in specs}
-        for decision in self.memory.decide_drafts(candidates, budget, reserve_planes=reserve):
+        for decision in self.memory.decide_drafts(candidates, budget, reserve_planes=reserve,
+                                                  costs=self.rollback_costs):
             spec = by_id[decision.seq_id]
             spec.seq.pages += self.memory.take_pages(decision.new_pages)
             spec.seq.planes += self.memory.take_planes(decision.new_planes)
@@ -382,8 +387,8 @@ class Scheduler:
         """Move the live plane and n_computed after verification (tokens are appended by `_commit`)."""
         n_drafts = len(row.drafts)
         writes = row.write_planes
-        if row.mode == "snapshot":
-            seq.live_plane = writes[len(row.fed) - 1 + n_accepted]
+        if row.mode in ("snapshot", "replay"):  # replay: the plane after `last`, advanced on device
+            seq.live_plane = writes[len(row.fed) - 1 + (n_accepted if row.mode == "snapshot" else 0)]
             seq.n_computed = row.start + len(row.fed) + n_accepted
         elif n_accepted == n_drafts:
             seq.live_plane = writes[-1]

@@ -26,10 +26,10 @@ from drafters.base import DraftRequest, Drafter
 from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
 from jaxmodel.model import Model
 from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
-from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
+from jaxmodel.state import bytes_per_plane, kv_bytes_per_page, replay_bytes_per_token
 
 from .core import Scheduler
-from .memory import MemoryManager, pages_for, pool_sizes
+from .memory import MemoryManager, RollbackCosts, pages_for, pool_sizes
 from .types import (Committed, Continued, DoneEvent, DraftPlan, Event, GenerationRequest, Request, Row, SeqId,
                     StepPlan, TokensEvent)
 
@@ -95,6 +95,7 @@ class Engine:
         plane_bytes = bytes_per_plane(cfg)
         # Planes for every sequence to snapshot a full draft, but never more than half the budget.
         planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // max(plane_bytes, 1) // max_running))
+        replay_tokens = n_max if cfg.gdn_layers else 0  # the replay pool: a full draft for every row of a step
         sizes = pool_sizes(
             budget_bytes,
             page_bytes=kv_bytes_per_page(cfg, page_size),
@@ -102,6 +103,8 @@ class Engine:
             page_size=page_size,
             max_running=max_running,
             planes_per_seq=planes_per_seq,
+            replay_tokens=replay_tokens,
+            replay_token_bytes=replay_bytes_per_token(cfg),
         )
         self.model = model
         self.tokenizer = tokenizer
@@ -116,7 +119,8 @@ class Engine:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.runtime = Runtime(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size,
                                shapes=shapes, n_chain_max=n_max if model.has_mtp else 0, max_iterations=iterations,
-                               stop_ids=self.stop_token_ids, draft_vocab=draft_vocab)  # fmt: skip
+                               stop_ids=self.stop_token_ids, draft_vocab=draft_vocab,
+                               replay_tokens=sizes.replay_tokens)  # fmt: skip
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(
@@ -146,6 +150,7 @@ class Engine:
         drafts in one device call, several iterations of it when the host has nothing to decide between them),
         commit. quiet: no request is arriving (so nothing waits for the host). Returns the events."""
         choices = self._plan_drafts()
+        self.scheduler.rollback_costs = self._rollback_costs()
         plan = self.scheduler.schedule({
             seq_id: DraftPlan(max(c.n_draft for c in options), self.policy.acceptance(seq_id, options[0].drafter))
             if options else DraftPlan(0, 0.0)
@@ -189,18 +194,33 @@ class Engine:
         self.steps += 1
         return events
 
+    def _rollback_costs(self) -> RollbackCosts:
+        """What replay and checkpoint cost now, for the memory rule's choice of rollback mode: the rebuild's and the
+        verify steps' calibrated costs at this many rows, and the policy's measured per-token cost of a target
+        step (what replayed tokens cost until calibrated; the rebuild then costs as much as one of them)."""
+        params = self.policy.params
+        _, per_token = self.policy.costs.target.coefficients(params.cost_ridge, params.target_token_prior,
+                                                             default=(1.0, params.target_token_prior))  # fmt: skip
+        n_rows = max(self.scheduler.n_running, 1)
+        rebuild = self.runtime.rebuild_cost(n_rows)
+        return RollbackCosts(token_seconds=per_token, rebuild_seconds=per_token if rebuild is None else rebuild,
+                             step_seconds=self.runtime.step_costs(n_rows))
+
     def _record_costs(self, plan: StepPlan, rows: list[StepRow], results, seconds: float) -> None:
         """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
         (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
-        the drafter that chains on device, shared by the rows that chained. Steps with prompt chunks are not
-        reported: their cost follows the chunk, not the drafts."""
+        the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
+        rebuild once (its calibrated cost is not the target's). Steps with prompt chunks are not reported: their
+        cost follows the chunk, not the drafts."""
         if not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
         n_iterations = 1 + max(len(r.more) for r in results)
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
-        self.policy.record_target(max(seconds / n_iterations - chain_seconds, 0.0), plan.n_tokens)
+        rebuild_seconds = (self.runtime.rebuild_cost(len(rows)) or 0.0) if any(r.replay for r in rows) else 0.0
+        self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),
+                                  plan.n_tokens)  # fmt: skip
         n_chained = sum(n for _, n in chaining)
         for row, n_chain in chaining:
             name = self._device_drafter(row)
@@ -241,7 +261,8 @@ class Engine:
                 and row.drafter in (None, device) and not request.stop_strings):
             n_draft = min(max(n_chain, 0), row.draft_max) if device is not None and row.mode == "snapshot" else 0
             loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id))
-        return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop)
+        return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop,
+                       replay=row.mode == "replay" and bool(row.drafts))
 
     def _plan_drafts(self) -> dict[SeqId, list[Choice]]:
         """The policy's drafters and lengths, in order, for every sequence that may draft this step, chosen before

@@ -1,31 +1,43 @@
-"""The memory budget: free lists of KV pages and GDN planes, and the per-step rollback/draft decision.
+"""The memory budget: free lists of KV pages and GDN planes, the replay pool, and the per-step rollback/draft
+decision.
 
 Pools. Page 0 (trash) and plane 0 (null) are never handed out, so a pool of n_pages pages has n_pages - 1
 allocatable ones, likewise planes. Every running sequence holds two planes for its whole life (the live plane and
 a spare to write into), and KV pages for the positions it has fed. A snapshot step borrows extra planes that the
-scheduler returns when the step is committed.
+scheduler returns when the step is committed. The replay pool (`PoolSizes.replay_tokens` draft tokens for each row
+of a step) is set aside from the budget once (`pool_sizes`); a replay row uses its row's slot and nothing else.
 
 The rule (`decide_drafts`), per step, over the sequences whose row may carry drafts, in scheduling priority order:
 
 1. Draft length. Each sequence gets d = min(what it asks, the step's remaining token budget, what fits in its
-   pages plus the free pages); budget and pages are consumed in priority order.
-2. Mode. Checkpoint needs no plane beyond the two a sequence holds. Snapshot needs d + 1 planes to write besides
-   the one it reads, i.e. `d + 1 - spare` extra planes.
+   pages plus the free pages); budget and pages are consumed in priority order. What it asks is the drafter
+   policy's plan, made before memory is granted: the policy's draft decision comes first.
+2. Mode: the cheapest that fits. Snapshot needs d + 1 planes to write besides the one it reads, i.e.
+   `d + 1 - spare` extra planes, and costs no time beyond writing states the forward computes anyway. Replay and
+   checkpoint need no plane beyond the two a sequence holds. Replay costs the rebuild, measured per step
+   (`RollbackCosts.rebuild_seconds`): the device applies the accepted drafts to the state after `last` again, for
+   every row of the step at once, so a step pays it once however many rows replay. Checkpoint costs the tokens it
+   replays next step: with per-token acceptance alpha (the policy's estimate), d drafts and p replayed tokens
+   before `last`, it replays p + 1 + k tokens when k < d drafts are accepted and nothing when all are
+   (`expected_replay = sum_{k<d} alpha^k (1 - alpha) (p + 1 + k)` in expectation). Steps are padded to a few
+   compiled lengths, so what those tokens cost is the longer step they cause when the next step's row
+   (p + 2 + k + d tokens instead of 1 + d) crosses a compiled length: `RollbackCosts.checkpoint`, from measured
+   step times (until measured: the expected replayed tokens at the target's per-token cost).
    - rollback="checkpoint": checkpoint.
    - rollback="snapshot": snapshot; when the free planes do not cover d, the draft is shortened until they do
      (d = 0 always fits). These go first: they were promised.
-   - rollback="auto": snapshot for the sequences where it saves the most replayed tokens per extra plane, while
-     planes remain, checkpoint for the rest. With per-token acceptance alpha (a sequence's running estimate), a
-     draft of d tokens and p replayed tokens before `last`, checkpoint replays p + 1 + k tokens next step when k < d
-     drafts are accepted, and nothing when all are; snapshot replays nothing. The expected saving is
-     sum_{k<d} alpha^k (1 - alpha) (p + 1 + k) (`expected_replay`). It favours sequences whose drafts are often
-     accepted far but not all the way (a draft that is always fully accepted costs nothing under checkpoint).
+   - rollback="replay": replay, the draft cut to the replay pool's tokens.
+   - rollback="auto": snapshot for the sequences where it saves the most expected replayed tokens per extra
+     plane, while planes remain (the cheapest mode, where it fits). The rest replay when the step's rebuild costs
+     less than what their checkpoints would together cost next step, or is paid anyway (a forced replay row in
+     the step), and checkpoint otherwise. Without a replay pool the rest checkpoint.
    `reserve_planes` is kept free for the admission of waiting requests, so borrowed planes never keep a new
    request queued.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,28 +53,32 @@ class PoolSizes:
     n_pages: int
     n_planes: int
     page_size: int  # tokens per KV page
+    replay_tokens: int = 0  # the longest draft a replay row may verify (the replay pool's tokens per row; 0: none)
 
     def __post_init__(self):
-        if self.page_size < 1 or self.n_pages < 2 or self.n_planes < 3:
+        if self.page_size < 1 or self.n_pages < 2 or self.n_planes < 3 or self.replay_tokens < 0:
             raise ValueError(f"pools too small: {self} (need page_size >= 1, n_pages >= 2, n_planes >= 3)")
 
 
 def pool_sizes(total_bytes: int, *, page_bytes: int, plane_bytes: int, page_size: int, max_running: int,
-               planes_per_seq: int = 2) -> PoolSizes:
-    """Spend `total_bytes` on 1 + max_running * planes_per_seq planes and the rest on KV pages.
+               planes_per_seq: int = 2, replay_tokens: int = 0, replay_token_bytes: int = 0) -> PoolSizes:
+    """Spend `total_bytes` on the replay pool (max_running rows of replay_tokens tokens, replay_token_bytes each),
+    1 + max_running * planes_per_seq planes and the rest on KV pages.
 
     page_bytes / plane_bytes: bytes of one KV page (all attention layers, K and V) and one GDN plane (all GDN
-    layers, conv and recurrent state); `jaxmodel.state` computes both from a model config. planes_per_seq = 2 lets
-    every sequence run in checkpoint mode; 2 + n_max lets every sequence snapshot a full draft at once.
+    layers, conv and recurrent state); `jaxmodel.state` computes both from a model config, and a token's replay
+    record (`replay_bytes_per_token`). planes_per_seq = 2 lets every sequence run in checkpoint or replay mode;
+    2 + n_max lets every sequence snapshot a full draft at once.
     """
     if planes_per_seq < 2:
         raise ValueError(f"planes_per_seq must be >= 2, got {planes_per_seq}")
     n_planes = 1 + max_running * planes_per_seq
-    n_pages = (total_bytes - n_planes * plane_bytes) // page_bytes
+    replay_bytes = max_running * replay_tokens * replay_token_bytes
+    n_pages = (total_bytes - replay_bytes - n_planes * plane_bytes) // page_bytes
     if n_pages < 2:
-        raise ValueError(f"{total_bytes} bytes do not hold {n_planes} planes of {plane_bytes} bytes and 2 pages "
-                         f"of {page_bytes} bytes")
-    return PoolSizes(n_pages=int(n_pages), n_planes=n_planes, page_size=page_size)
+        raise ValueError(f"{total_bytes} bytes do not hold a replay pool of {replay_bytes} bytes, {n_planes} "
+                         f"planes of {plane_bytes} bytes and 2 pages of {page_bytes} bytes")
+    return PoolSizes(n_pages=int(n_pages), n_planes=n_planes, page_size=page_size, replay_tokens=replay_tokens)
 
 
 def pages_for(n_positions: int, page_size: int) -> int:
@@ -76,6 +92,40 @@ def expected_replay(alpha: float, n_drafts: int, n_pending: int) -> float:
     alpha: per-token acceptance probability; k drafts are accepted with probability alpha^k (1 - alpha) for k < d.
     """
     return sum(alpha**k * (1.0 - alpha) * (n_pending + 1 + k) for k in range(n_drafts))
+
+
+@dataclass(frozen=True)
+class RollbackCosts:
+    """What the non-snapshot modes cost, in seconds (the engine measures them; any unit works if shared).
+
+    rebuild_seconds: what the replay rebuild adds to a step (once per step, whichever rows replay).
+    step_seconds: ((tokens per row, seconds), ...) ascending: a step of this many rows at each compiled length
+        (steps are padded to these lengths, so a step costs the smallest one that holds its longest row). What a
+        checkpoint's replayed tokens cost is the longer next step they cause. Empty: not measured.
+    token_seconds: a token fed to the target, for replayed tokens where step_seconds does not tell.
+    """
+
+    token_seconds: float = 1.0
+    rebuild_seconds: float = 1.0
+    step_seconds: tuple[tuple[int, float], ...] = ()
+
+    def step(self, n_tokens: int) -> float | None:
+        """Seconds of a step whose longest row feeds n_tokens tokens (None: no measured length holds it)."""
+        return next((seconds for length, seconds in self.step_seconds if length >= n_tokens), None)
+
+    def checkpoint(self, rows: Sequence[tuple[float, int, int]]) -> float:
+        """Expected seconds the next step spends on what checkpoints replay, for rows of (alpha, d, p).
+
+        A checkpoint row that keeps k < d drafts replays p + 1 + k tokens at the front of its next step, which
+        then feeds up to p + 2d + 1 tokens instead of the 1 + d of a row that rolled back by a plane: the step
+        is padded to a longer compiled length when that crosses one, once for all rows. So: the chance that some
+        row replays, times the largest such lengthening. Without measured lengths: the expected replayed tokens
+        at token_seconds each."""
+        jumps = [(self.step(p + 2 * d + 1), self.step(1 + d)) for _, d, p in rows]
+        if not rows or any(longer is None or shorter is None for longer, shorter in jumps):
+            return sum(expected_replay(alpha, d, p) for alpha, d, p in rows) * self.token_seconds
+        none_replays = math.prod(alpha**d for alpha, d, _ in rows)
+        return (1.0 - none_replays) * max(max(longer - shorter, 0.0) for longer, shorter in jumps)
 
 
 @dataclass(frozen=True)
@@ -104,8 +154,11 @@ class DraftDecision:
 
 
 def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, free_pages: int, free_planes: int,
-                  page_size: int) -> tuple[DraftDecision, ...]:
-    """The rule in the module docstring; candidates in priority order, decisions in the same order."""
+                  page_size: int, replay_tokens: int = 0,
+                  costs: RollbackCosts = RollbackCosts()) -> tuple[DraftDecision, ...]:
+    """The rule in the module docstring; candidates in priority order, decisions in the same order.
+
+    replay_tokens: the longest draft a replay row may verify (0: no replay pool)."""
 
     def new_pages(c: DraftCandidate, d: int) -> int:
         return max(0, pages_for(c.kv_end + d, page_size) - c.pages_owned)
@@ -132,6 +185,12 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
                 free_planes -= extra_planes(c, d)
         elif c.preference == "checkpoint" and lengths[i] > 0:
             modes[i] = "checkpoint"
+        elif c.preference == "replay" and lengths[i] > 0:
+            d = min(lengths[i], replay_tokens)
+            free_pages += new_pages(c, lengths[i]) - new_pages(c, d)
+            lengths[i] = d
+            if d > 0:
+                modes[i] = "replay"
 
     def saving_per_plane(i: int) -> float:
         c, d = candidates[i], lengths[i]
@@ -139,13 +198,24 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
         return float("inf") if extra == 0 else expected_replay(c.alpha, d, c.n_pending) / extra
 
     auto = [i for i, c in enumerate(candidates) if c.preference == "auto" and lengths[i] > 0]
+    rest = []
     for i in sorted(auto, key=lambda i: (-saving_per_plane(i), i)):
         extra = extra_planes(candidates[i], lengths[i])
         if extra <= free_planes:
             modes[i] = "snapshot"
             free_planes -= extra
         else:
-            modes[i] = "checkpoint"
+            rest.append(i)
+    # The rest replay or checkpoint together: the rebuild, like the longer step checkpoints cause, is paid once.
+    checkpoint_seconds = costs.checkpoint([(candidates[i].alpha, lengths[i], candidates[i].n_pending) for i in rest])
+    rebuild_paid = "replay" in modes.values()
+    replay = replay_tokens > 0 and (rebuild_paid or costs.rebuild_seconds < checkpoint_seconds)
+    for i in sorted(rest):
+        if replay:
+            d = min(lengths[i], replay_tokens)
+            free_pages += new_pages(candidates[i], lengths[i]) - new_pages(candidates[i], d)
+            lengths[i] = d
+        modes[i] = "replay" if replay else "checkpoint"
 
     out = []
     for i, c in enumerate(candidates):
@@ -207,11 +277,12 @@ class MemoryManager:
         """Return planes to the pool."""
         self._give(self._free_planes, self._planes_out, planes, "plane")
 
-    def decide_drafts(self, candidates: Sequence[DraftCandidate], token_budget: int,
-                      reserve_planes: int = 0) -> tuple[DraftDecision, ...]:
+    def decide_drafts(self, candidates: Sequence[DraftCandidate], token_budget: int, reserve_planes: int = 0,
+                      costs: RollbackCosts = RollbackCosts()) -> tuple[DraftDecision, ...]:
         """`decide_drafts` over the current free counts, keeping `reserve_planes` planes out of reach."""
         return decide_drafts(candidates, token_budget=token_budget, free_pages=self.free_pages,
-                             free_planes=max(0, self.free_planes - reserve_planes), page_size=self.page_size)
+                             free_planes=max(0, self.free_planes - reserve_planes), page_size=self.page_size,
+                             replay_tokens=self.sizes.replay_tokens, costs=costs)
 
     @staticmethod
     def _take(free: list[int], out: set[int], n: int, what: str) -> list[int]:

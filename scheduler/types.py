@@ -16,7 +16,7 @@ from drafters.base import SeqId
 from drafters.policy import Rollback, SpeculativeConfig
 from jaxmodel.runtime import Sampling
 
-Mode = Literal["snapshot", "checkpoint"]  # the rollback mode a step runs in; a request may also ask for "auto"
+Mode = Literal["snapshot", "checkpoint", "replay"]  # the rollback mode a step runs in; a request may also ask for "auto"
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 UNNAMED_DRAFTER = "unnamed"
@@ -132,13 +132,16 @@ class Row:
     def write_planes(self) -> tuple[int, ...]:
         """[n] the plane receiving the state after each token, -1 for none.
 
-        Snapshot: the state after `last` and after every draft (len(drafts) + 1 planes). Otherwise (checkpoint, a
-        plain step, a prompt chunk): only the state after the final token.
+        Snapshot: the state after `last` and after every draft (len(drafts) + 1 planes). Replay: the state after
+        `last`, which the device advances by the accepted drafts after verification. Otherwise (checkpoint, a plain
+        step, a prompt chunk): only the state after the final token.
         """
         n = len(self.fed) + len(self.drafts)
         if self.mode == "snapshot":
             keep = len(self.drafts) + 1
             return (-1,) * (n - keep) + self.write_pool[:keep]
+        if self.mode == "replay":
+            return (-1,) * (len(self.fed) - 1) + self.write_pool[:1] + (-1,) * len(self.drafts)
         return (-1,) * (n - 1) + self.write_pool[:1]
 
     @property

@@ -63,6 +63,14 @@ def test_recurrent_scan_matches_reference(n_tokens, dk):
     check_against_reference(problem, outputs, pool, final_only=False)
 
 
+@pytest.mark.parametrize("n_tokens", [1, 5, 64])
+def test_recurrent_scan_final_only_matches_reference(n_tokens):
+    """The final-only scan (the replay rebuild's) carries the state alone and writes it once per row."""
+    problem = random_problem(30 + n_tokens, n_tokens=n_tokens, final_only=True)
+    outputs, pool = jax.jit(recurrent_scan, static_argnames="final_only")(*problem.args, final_only=True)
+    check_against_reference(problem, outputs, pool, final_only=True)
+
+
 @pytest.mark.parametrize("n_tokens,dk,chunk_size", [(1, 16, 16), (5, 32, 16), (64, 16, 16), (200, 16, 32),
                                                     (200, 128, 64)])
 def test_chunked_scan_matches_reference(n_tokens, dk, chunk_size):

@@ -20,8 +20,8 @@ from api.protocol import (
 )
 
 
-def spec(drafters: dict[str, tuple[int, int]], snapshot: int = 0, checkpoint: int = 0) -> SpecStats:
-    return SpecStats({k: DrafterStats(*v) for k, v in drafters.items()}, RollbackSteps(snapshot, checkpoint))
+def spec(drafters: dict[str, tuple[int, int]], snapshot: int = 0, checkpoint: int = 0, replay: int = 0) -> SpecStats:
+    return SpecStats({k: DrafterStats(*v) for k, v in drafters.items()}, RollbackSteps(snapshot, checkpoint, replay))
 
 
 RECORDS = (
@@ -30,7 +30,7 @@ RECORDS = (
                   spec=spec({"mtp": (4, 3)}, snapshot=2, checkpoint=1)),
     RequestRecord(index=1, worker=1, prompt_index=1, start=0.2, end=0.6, finish_reason="length",
                   chunks=(Chunk(0.4, 1), Chunk(0.6, 3, 3)), prompt_tokens=7, completion_tokens=4,
-                  spec=spec({"mtp": (6, 3), "ngram": (10, 2)}, checkpoint=3)),
+                  spec=spec({"mtp": (6, 3), "ngram": (10, 2)}, checkpoint=3, replay=5)),
     RequestRecord(index=2, worker=0, prompt_index=2, start=0.3, end=0.31, error="too_many_requests"),
     RequestRecord(index=3, worker=1, prompt_index=0, start=0.6, end=0.8, finish_reason="error",
                   chunks=(Chunk(0.7, 1),), completion_tokens=1),
@@ -52,7 +52,7 @@ def test_summary_of_recorded_requests():
     assert s.drafted == {"mtp": (10, 6), "ngram": (10, 2)}
     assert s.acceptance == {"mtp": pytest.approx(0.6), "ngram": pytest.approx(0.2)}
     assert s.draft_token_share == pytest.approx(0.5)
-    assert s.rollback == RollbackSteps(snapshot=2, checkpoint=4)
+    assert s.rollback == RollbackSteps(snapshot=2, checkpoint=4, replay=5)
 
 
 def test_wall_time_defaults_to_the_span_of_the_records():
@@ -68,7 +68,7 @@ def test_json_results_have_the_published_keys():
         assert key in out
     assert set(out["ttft_ms"]) == set(out["itl_ms"]) == {"p50", "p90", "p99"}
     assert out["acceptance"] == {"mtp": pytest.approx(0.6), "ngram": pytest.approx(0.2)}
-    assert out["rollback"] == {"snapshot": 2, "checkpoint": 4}
+    assert out["rollback"] == {"snapshot": 2, "checkpoint": 4, "replay": 5}
     assert (out["requests_ok"], out["errors"], out["config"]) == (2, 3, {"concurrency": 4})
 
 
@@ -78,7 +78,7 @@ def test_text_table():
     assert "8.0 tok/s aggregate, 11." in table and "tok/s per sequence, 8 tokens" in table
     assert "TTFT            150.00    190.00    199.00" in table
     assert "mtp                 10         6     0.600" in table
-    assert "rollback steps: snapshot 2, checkpoint 4" in table
+    assert "rollback steps: snapshot 2, checkpoint 4, replay 5" in table
 
 
 def test_empty_run_is_reported_without_numbers():

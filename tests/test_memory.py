@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.memory import (DraftCandidate, MemoryManager, PoolSizes, decide_drafts, expected_replay, pages_for,
-                              pool_sizes)
+from scheduler.memory import (DraftCandidate, MemoryManager, PoolSizes, RollbackCosts, decide_drafts,
+                              expected_replay, pages_for, pool_sizes)
 
 
 def cand(seq_id, want=4, preference="auto", kv_end=1, pages_owned=1, spare=1, pending=0, alpha=0.5):
@@ -15,9 +15,10 @@ def cand(seq_id, want=4, preference="auto", kv_end=1, pages_owned=1, spare=1, pe
                           n_pending=pending, alpha=alpha)
 
 
-def decide(cands, *, budget=100, pages=100, planes=100, page_size=4):
+def decide(cands, *, budget=100, pages=100, planes=100, page_size=4, replay_tokens=0, rebuild=1.0):
     return {d.seq_id: d for d in decide_drafts(cands, token_budget=budget, free_pages=pages, free_planes=planes,
-                                               page_size=page_size)}
+                                               page_size=page_size, replay_tokens=replay_tokens,
+                                               costs=RollbackCosts(token_seconds=1.0, rebuild_seconds=rebuild))}
 
 
 def test_pool_sizes_split_bytes():
@@ -29,6 +30,10 @@ def test_pool_sizes_split_bytes():
         pool_sizes(10**6, page_bytes=10, plane_bytes=100, page_size=16, max_running=2, planes_per_seq=1)
     with pytest.raises(ValueError):
         PoolSizes(n_pages=10, n_planes=2, page_size=4)
+    # The replay pool comes off the budget first: 2 rows of 4 tokens of 20 bytes leave 840 bytes, 7 planes + 14 pages.
+    sizes = pool_sizes(1000, page_bytes=10, plane_bytes=100, page_size=16, max_running=2, planes_per_seq=3,
+                       replay_tokens=4, replay_token_bytes=20)
+    assert sizes == PoolSizes(n_pages=14, n_planes=7, page_size=16, replay_tokens=4)
 
 
 def test_pages_for():
@@ -80,6 +85,11 @@ def test_forced_modes():
     # forced snapshot is served before auto even when auto comes first in priority
     out = decide([cand("a", want=3), cand("s", preference="snapshot", want=3)], planes=3)
     assert (out["s"].mode, out["s"].new_planes, out["a"].mode) == ("snapshot", 3, "checkpoint")
+    # forced replay: no plane, the draft cut to the replay pool (none without one)
+    out = decide([cand("r", preference="replay", want=6, spare=1, kv_end=4, pages_owned=1)], planes=0,
+                 replay_tokens=3)
+    assert (out["r"].mode, out["r"].n_drafts, out["r"].new_planes, out["r"].new_pages) == ("replay", 3, 0, 1)
+    assert decide([cand("r", preference="replay")])["r"].mode is None
 
 
 def test_auto_spends_planes_where_they_save_most_replay():
@@ -95,6 +105,36 @@ def test_auto_spends_planes_where_they_save_most_replay():
                                                                                             "snapshot", 2)
 
 
+def test_auto_falls_back_to_replay_when_the_rebuild_costs_less_than_the_replayed_tokens():
+    # No plane to borrow; expected_replay(0.5, 4, 0) = 1.625 tokens each, at 1 second per token.
+    two = [cand("a"), cand("b")]
+    assert {d.mode for d in decide(two, planes=0, replay_tokens=4, rebuild=3.0).values()} == {"replay"}
+    assert {d.mode for d in decide(two, planes=0, replay_tokens=4, rebuild=3.5).values()} == {"checkpoint"}
+    assert {d.mode for d in decide(two, planes=0, replay_tokens=0, rebuild=0.0).values()} == {"checkpoint"}
+    # A forced replay row pays the rebuild: auto rows replay along, whatever it costs.
+    out = decide([cand("a"), cand("r", preference="replay")], planes=0, replay_tokens=4, rebuild=1e9)
+    assert (out["a"].mode, out["r"].mode) == ("replay", "replay")
+    # Snapshot first where planes fit, whatever the fallback.
+    out = decide([cand("sure", alpha=0.99), cand("half", alpha=0.5)], planes=4, replay_tokens=4, rebuild=0.0)
+    assert (out["half"].mode, out["sure"].mode) == ("snapshot", "replay")
+
+
+def test_checkpoint_costs_the_longer_step_its_replayed_tokens_cause():
+    steps = ((1, 1.0), (4, 2.0), (16, 5.0))  # a step padded to 1, 4 or 16 tokens per row
+    costs = RollbackCosts(token_seconds=0.5, rebuild_seconds=1.0, step_seconds=steps)
+    assert (costs.step(1), costs.step(3), costs.step(5), costs.step(17)) == (1.0, 2.0, 5.0, None)
+    # d = 3: 4 tokens, and up to 7 after a rejection: the next step is padded to 16, 3 seconds more.
+    assert costs.checkpoint([(0.5, 3, 0)]) == pytest.approx((1 - 0.5**3) * 3.0)
+    assert costs.checkpoint([(0.5, 3, 0), (0.5, 3, 0)]) == pytest.approx((1 - 0.5**6) * 3.0)  # paid once
+    assert costs.checkpoint([(1.0, 3, 0)]) == 0.0  # every draft accepted: nothing replayed
+    assert costs.checkpoint([(0.5, 5, 0)]) == 0.0  # 6 tokens and up to 11 fit the same 16
+    # Past the measured lengths: the expected replayed tokens at token_seconds.
+    assert costs.checkpoint([(0.5, 8, 0)]) == pytest.approx(expected_replay(0.5, 8, 0) * 0.5)
+    d = {c.seq_id: c for c in decide_drafts([cand("a", want=3, alpha=0.5)], token_budget=10, free_pages=10,
+                                            free_planes=0, page_size=4, replay_tokens=3, costs=costs)}
+    assert d["a"].mode == "replay"  # 2.6 seconds of checkpoint against 1 of rebuild
+
+
 def test_manager_keeps_reserved_planes_for_admission():
     mem = MemoryManager(PoolSizes(n_pages=10, n_planes=8, page_size=4))
     c = [cand("a", want=3)]
@@ -103,16 +143,18 @@ def test_manager_keeps_reserved_planes_for_admission():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 8), st.sampled_from(["auto", "snapshot", "checkpoint"]),
+@given(st.lists(st.tuples(st.integers(0, 8), st.sampled_from(["auto", "snapshot", "checkpoint", "replay"]),
                           st.integers(1, 40), st.integers(0, 3), st.integers(0, 4), st.integers(0, 10),
                           st.floats(0, 1)), max_size=8),
-       st.integers(0, 30), st.integers(0, 6), st.integers(0, 12), st.sampled_from([1, 4, 16]))
-def test_decisions_respect_every_limit(raw, budget, free_pages, free_planes, page_size):
+       st.integers(0, 30), st.integers(0, 6), st.integers(0, 12), st.sampled_from([1, 4, 16]),
+       st.integers(0, 8), st.floats(0, 10))
+def test_decisions_respect_every_limit(raw, budget, free_pages, free_planes, page_size, replay_tokens, rebuild):
     cands = [DraftCandidate(i, want, pref, kv_end=kv_end, pages_owned=pages_for(kv_end, page_size) + more,
                             spare_planes=spare, n_pending=pending, alpha=alpha)
              for i, (want, pref, kv_end, more, spare, pending, alpha) in enumerate(raw)]
     out = decide_drafts(cands, token_budget=budget, free_pages=free_pages, free_planes=free_planes,
-                        page_size=page_size)
+                        page_size=page_size, replay_tokens=replay_tokens,
+                        costs=RollbackCosts(token_seconds=1.0, rebuild_seconds=rebuild))
     assert [d.seq_id for d in out] == [c.seq_id for c in cands]
     assert sum(d.n_drafts for d in out) <= budget
     assert sum(d.new_pages for d in out) <= free_pages
@@ -121,7 +163,10 @@ def test_decisions_respect_every_limit(raw, budget, free_pages, free_planes, pag
         assert 0 <= d.n_drafts <= c.want
         assert (d.mode is None) == (d.n_drafts == 0)
         assert c.pages_owned + d.new_pages >= pages_for(c.kv_end + d.n_drafts, page_size)
+        assert d.mode in (None, c.preference) or c.preference == "auto"
         if d.mode == "snapshot":
-            assert c.preference != "checkpoint" and d.new_planes == max(0, d.n_drafts + 1 - c.spare_planes)
+            assert d.new_planes == max(0, d.n_drafts + 1 - c.spare_planes)
         else:
-            assert d.new_planes == 0 and (d.mode is None or c.preference != "snapshot")
+            assert d.new_planes == 0
+        if d.mode == "replay":
+            assert d.n_drafts <= replay_tokens

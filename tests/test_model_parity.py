@@ -3,12 +3,14 @@ the same batched step the server uses."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import DATA, fixture
 
 from jaxmodel import load_model
+from jaxmodel.runtime import Runtime, Shapes, StepRow
 from jaxmodel.state import Row, pack_batch
 
 PAGE = 16
@@ -146,6 +148,31 @@ def test_checkpoint_and_snapshot_agree_after_any_rollback(fixture_model, accepte
     expected, _ = tiny_model.score(prompt + keep + [nxt])
     np.testing.assert_allclose(snap[0], ckpt[0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(snap[0], expected[-1], atol=1e-4, rtol=0)
+
+
+def test_replay_rebuilds_the_snapshot_state_after_any_number_of_accepted_drafts(tiny_model):
+    """A verify step of 2 pending tokens, `last` and 4 drafts, in snapshot mode (planes 2..6 after `last` and each
+    draft) and in replay mode (plane 7 after `last`, advanced on device by the accepted drafts): after k accepted
+    drafts, for k = 0..4, plane 7 holds plane 2 + k's conv state, recurrent state and hidden row."""
+    runtime = Runtime(tiny_model, n_pages=3, n_planes=8, replay_tokens=4,
+                      shapes=Shapes(max_rows=1, max_tokens=8, max_logit_rows=5, pages_per_row=2))  # fmt: skip
+    rng = np.random.default_rng(8)
+    prompt = [int(t) for t in rng.integers(0, 500, 9)]
+    pages, filler = [1, 2], 3
+    runtime.step([StepRow(Row(prompt[:6], 0, pages, 0, [-1] * 5 + [1]))])  # the state in plane 1
+    continuation: list[int] = []  # the target's greedy tokens after the prompt, learnt one per step
+    for k in range(5):
+        drafts = (continuation[:k] + [filler] * 4)[:4]
+        fed = prompt[6:] + drafts
+        logit_rows = range(2, len(fed))
+        snapshot = runtime.step([StepRow(Row(fed, 6, pages, 1, [-1, -1, 2, 3, 4, 5, 6], logit_rows), drafts)])[0]
+        replay = runtime.step([StepRow(Row(fed, 6, pages, 1, [-1, -1, 7, -1, -1, -1, -1], logit_rows), drafts,
+                                       replay=True)])[0]  # fmt: skip
+        assert snapshot.n_accepted == replay.n_accepted == k and snapshot.committed == replay.committed
+        continuation = snapshot.committed
+        state = jax.tree.map(np.asarray, runtime.state)
+        for pool in state.conv + state.ssm + (state.hidden,):
+            np.testing.assert_allclose(pool[7], pool[2 + k], atol=1e-6, rtol=0, err_msg=f"{k} accepted")
 
 
 def test_mixed_batches_with_sequences_joining_and_leaving_match_each_alone(tiny_model):

@@ -213,7 +213,7 @@ generate_frames = st.fixed_dictionaries(
         "speculative": st.none() | st.fixed_dictionaries({}, optional={
             "drafters": st.lists(st.sampled_from(["mtp", "ngram", "draft_model", "eagle"]), max_size=3),
             "n_max": small_ints, "n_min": small_ints, "p_min": st.floats(-0.5, 1.5),
-            "rollback": st.sampled_from(["auto", "snapshot", "checkpoint", "undo"])}),
+            "rollback": st.sampled_from(["auto", "snapshot", "checkpoint", "replay", "undo"])}),
     },
 )
 frames = loose_frames | generate_frames

@@ -59,16 +59,16 @@ ENGINE = dict(budget_bytes=700_000, max_running=4, max_model_len=48, chunk_size=
 
 
 def test_engine_is_lossless_for_every_drafter_and_rollback_mode(target, draft, prompts, references):
-    """8 sequences, at most 4 running (drafters MTP, n-gram, the draft model and none; snapshot and checkpoint).
-    The random MTP head's drafts are almost never right; the draft model's often are, so rollbacks after partial
-    acceptance happen in both modes."""
+    """8 sequences, at most 4 running (drafters MTP, n-gram, the draft model and none; snapshot, checkpoint,
+    replay and auto). The random MTP head's drafts are almost never right; the draft model's often are, so
+    rollbacks after partial acceptance happen in every mode."""
     drafter_sets = [None, ("mtp",), ("ngram",), ("draft_model",)]
-    modes = ["snapshot", "checkpoint"]
+    modes = ["snapshot", "checkpoint", "replay", "auto"]
     jobs = []
     for i in range(8):
         prompt = prompts[i % len(prompts)]
         drafters = drafter_sets[i % len(drafter_sets)]
-        spec = SpeculativeConfig(drafters, n_max=3, rollback=modes[i // 4]) if drafters else None
+        spec = SpeculativeConfig(drafters, n_max=3, rollback=modes[(i + i // 4) % 4]) if drafters else None
         jobs.append((prompt, GenerationRequest(prompt, MAX_TOKENS, speculative=spec)))
     results = {}
 
@@ -86,7 +86,7 @@ def test_engine_is_lossless_for_every_drafter_and_rollback_mode(target, draft, p
         assert (engine.memory.free_pages, engine.memory.free_planes) == free
 
     anyio.run(main)
-    steps = {"snapshot": 0, "checkpoint": 0}
+    steps = {"snapshot": 0, "checkpoint": 0, "replay": 0}
     drafted, accepted = {}, {}
     for i, (prompt, request) in enumerate(jobs):
         tokens, done, _ = results[i]
@@ -96,12 +96,12 @@ def test_engine_is_lossless_for_every_drafter_and_rollback_mode(target, draft, p
         for name, stats in done.drafters.items():
             drafted[name] = drafted.get(name, 0) + stats.drafted
             accepted[name] = accepted.get(name, 0) + stats.accepted
-    assert steps["snapshot"] > 0 and steps["checkpoint"] > 0, (steps, drafted)
+    assert all(n > 0 for n in steps.values()), (steps, drafted)
     assert all(drafted.get(name, 0) > 0 for name in ("mtp", "ngram", "draft_model")), drafted
     assert 0 < accepted["draft_model"] < drafted["draft_model"], (accepted, drafted)
 
 
-def test_server_streams_plain_greedy_for_every_drafter_and_both_modes(target, draft):
+def test_server_streams_plain_greedy_for_every_drafter_and_every_mode(target, draft):
     tokenizer = load_tokenizer(NEXT)
     settings = ServerSettings(
         defaults=Defaults(drafters=("mtp",), max_tokens=MAX_TOKENS, n_max=3),
@@ -112,7 +112,7 @@ def test_server_streams_plain_greedy_for_every_drafter_and_both_modes(target, dr
     expected = {p: plain_greedy(target, tokenizer.encode(p), MAX_TOKENS, tokenizer.eog_ids) for p in prompts}
     # Every drafter once over the wire, the modes alternating (the engine test above covers every pair).
     specs = [None] + [Speculative(drafters=list(d), n_max=3, rollback=mode)
-                      for d, mode in ((["mtp"], "snapshot"), (["ngram"], "checkpoint"), (["draft_model"], "snapshot"),
+                      for d, mode in ((["mtp"], "snapshot"), (["ngram"], "checkpoint"), (["draft_model"], "replay"),
                                       (["mtp"], "checkpoint"))]  # fmt: skip
 
     async def main():

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from drafters.policy import SpeculativeConfig
 from scheduler.core import Scheduler
-from scheduler.memory import MemoryManager, PoolSizes, pages_for
+from scheduler.memory import MemoryManager, PoolSizes, RollbackCosts, pages_for
 from scheduler.stops import scan_stop_strings
 from scheduler.types import (UNNAMED_DRAFTER, Committed, Continued, DoneEvent, DraftPlan, DraftStats, Request, StepPlan,
                              TokensEvent)
@@ -95,9 +95,11 @@ class FakeModel:
         self.script = script or {}  # seq_id -> forced output tokens (position-indexed from the prompt end)
 
     def run(self, plan: StepPlan, prompts: dict) -> dict:
-        """seq_id -> greedy tokens at the row's logit_rows."""
+        """seq_id -> greedy tokens at the row's logit_rows. Replay rows keep the state after each token for
+        `rebuild`."""
         check_plan(plan, self.page_size)
         writes, out = {}, {}
+        self.after = {}
         for row in plan.rows:
             assert row.read_plane == 0 or row.read_plane in self.planes, "reads a plane nobody wrote"
             state = self.planes.get(row.read_plane, 0)
@@ -105,6 +107,7 @@ class FakeModel:
             for i, (tok, pos) in enumerate(zip(row.tokens, row.positions)):
                 self.kv[row.pages[pos // self.page_size]][pos % self.page_size] = tok
                 state = mix(state, tok)
+                self.after[row.seq_id, i] = state
                 if row.write_planes[i] >= 0:
                     writes[row.write_planes[i]] = state
                 if i in row.logit_rows:
@@ -114,6 +117,14 @@ class FakeModel:
             out[row.seq_id] = targets
         self.planes.update(writes)
         return out
+
+    def rebuild(self, plan: StepPlan, committed: dict) -> None:
+        """Replay rows, after verification: the plane written after `last` gets the state after the last accepted
+        draft (what the device's rebuild does in the same call)."""
+        for row in plan.rows:
+            if row.mode == "replay" and row.seq_id in committed:
+                last = len(row.fed) - 1
+                self.planes[row.write_planes[last]] = self.after[row.seq_id, last + committed[row.seq_id].n_accepted]
 
 
 def check_plan(plan: StepPlan, page_size: int) -> None:
@@ -127,7 +138,8 @@ def check_plan(plan: StepPlan, page_size: int) -> None:
     assert not set(written) & {r.read_plane for r in plan.rows}, "a plane read and written in one step"
     for r in plan.rows:
         assert len(r.write_planes) == len(r.tokens) == len(r.positions) > 0
-        assert r.write_planes[-1] >= 0, "the final state must land somewhere"
+        final = len(r.fed) - 1 if r.mode == "replay" else -1  # replay: the state after `last`, advanced later
+        assert r.write_planes[final] >= 0, "the final state must land somewhere"
         assert pages_for(r.start + len(r.tokens), page_size) <= len(r.pages)
         assert len(r.drafts) <= r.draft_max
         if r.needs_logits:
@@ -210,7 +222,9 @@ def simulate(sc: Scenario, sched: Scheduler, *, max_steps: int = 3000, script: d
                     evs = sched.abort(sid)
                     assert evs == [] or sid not in {r.seq_id for r in plan.rows}
                     record(evs)
-            record(sched.update(plan, verify_greedy(plan, targets)))
+            committed = verify_greedy(plan, targets)
+            model.rebuild(plan, committed)
+            record(sched.update(plan, committed))
         step += 1
     return Run(dict(events), plans, waiting_seen, sched)
 
@@ -243,8 +257,9 @@ def check_events(run: Run, sc: Scenario) -> None:
 
 
 def make_scheduler(*, n_pages=64, n_planes=40, page_size=4, max_model_len=40, token_budget=48, max_running=8,
-                   chunk_size=None) -> Scheduler:
-    mem = MemoryManager(PoolSizes(n_pages=n_pages, n_planes=n_planes, page_size=page_size))
+                   chunk_size=None, replay_tokens=6) -> Scheduler:
+    mem = MemoryManager(PoolSizes(n_pages=n_pages, n_planes=n_planes, page_size=page_size,
+                                  replay_tokens=replay_tokens))
     return Scheduler(mem, TableDetokenizer, max_model_len=max_model_len, token_budget=token_budget,
                      max_running=max_running, chunk_size=chunk_size)
 
@@ -257,7 +272,7 @@ def random_scenario(seed: int, n: int, *, rollback=None, corruption=None, abort_
         reqs.append(Request(sid, tuple(rng.randrange(1, V) for _ in range(rng.randint(1, 14))),
                             max_tokens=rng.randint(1, 20), stop_token_ids={EOS} if rng.random() < 0.5 else (),
                             speculative=spec(rng.choice([0, 2, 4, 6, 6]),
-                                             rollback or rng.choice(["auto", "snapshot", "checkpoint"]))))
+                                             rollback or rng.choice(["auto", "snapshot", "checkpoint", "replay"]))))
         arrivals[sid] = rng.randint(0, 12)
         corr[sid] = corruption if corruption is not None else rng.choice([0.0, 0.2, 0.5, 1.0])
         if rng.random() < abort_share:
@@ -266,7 +281,7 @@ def random_scenario(seed: int, n: int, *, rollback=None, corruption=None, abort_
 
 
 def mode_steps(run: Run) -> dict:
-    total = {"snapshot": 0, "checkpoint": 0}
+    total = {"snapshot": 0, "checkpoint": 0, "replay": 0}
     for evs in run.events.values():
         for mode, n in evs[-1].rollback_steps.items():
             total[mode] += n
@@ -276,7 +291,7 @@ def mode_steps(run: Run) -> dict:
 # ---- the lossless property ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rollback", ["snapshot", "checkpoint", "auto"])
+@pytest.mark.parametrize("rollback", ["snapshot", "checkpoint", "replay", "auto"])
 @pytest.mark.parametrize("corruption", [0.0, 0.35, 1.0])
 def test_lossless_per_mode_and_acceptance(rollback, corruption):
     sc = random_scenario(7, 16, rollback=rollback, corruption=corruption)
@@ -297,13 +312,18 @@ def test_lossless_per_mode_and_acceptance(rollback, corruption):
         assert accepted == 0
 
 
-def test_auto_uses_both_modes_and_preempts():
+@pytest.mark.parametrize("rebuild_seconds,fallback", [(0.5, "replay"), (1e9, "checkpoint")])
+def test_auto_uses_snapshot_and_the_cheaper_fallback_and_preempts(rebuild_seconds, fallback):
+    """Snapshot where planes fit; the other sequences replay while the rebuild costs less than the tokens their
+    checkpoints would replay, and checkpoint when it costs more."""
     sc = random_scenario(3, 20, rollback="auto", corruption=0.3)
     sched = make_scheduler(n_pages=14, n_planes=14, page_size=4, max_model_len=36, token_budget=32, max_running=6)
+    sched.rollback_costs = RollbackCosts(token_seconds=1.0, rebuild_seconds=rebuild_seconds)
     run = simulate(sc, sched)
     check_events(run, sc)
     steps = mode_steps(run)
-    assert steps["snapshot"] > 0 and steps["checkpoint"] > 0, steps
+    assert steps["snapshot"] > 0 and steps[fallback] > 0, steps
+    assert sum(steps.values()) == steps["snapshot"] + steps[fallback], steps
     assert sum(evs[-1].preemptions for evs in run.events.values()) > 0
     assert run.waiting_seen > 0
 
@@ -311,13 +331,16 @@ def test_auto_uses_both_modes_and_preempts():
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), n=st.integers(16, 22), page_size=st.sampled_from([2, 4, 8]),
        extra_pages=st.integers(0, 24), n_planes=st.integers(3, 24), token_budget=st.integers(6, 40),
-       max_running=st.integers(1, 8), chunk_size=st.sampled_from([None, 1, 3, 8]))
-def test_lossless_random_mixes(seed, n, page_size, extra_pages, n_planes, token_budget, max_running, chunk_size):
+       max_running=st.integers(1, 8), chunk_size=st.sampled_from([None, 1, 3, 8]),
+       replay_tokens=st.sampled_from([0, 2, 6]), rebuild_seconds=st.sampled_from([0.0, 2.0, 1e9]))
+def test_lossless_random_mixes(seed, n, page_size, extra_pages, n_planes, token_budget, max_running, chunk_size,
+                               replay_tokens, rebuild_seconds):
     max_model_len = 30
     sc = random_scenario(seed, n, abort_share=0.25)
     sched = make_scheduler(n_pages=1 + pages_for(max_model_len, page_size) + extra_pages, n_planes=n_planes,
                            page_size=page_size, max_model_len=max_model_len, token_budget=token_budget,
-                           max_running=max_running, chunk_size=chunk_size)
+                           max_running=max_running, chunk_size=chunk_size, replay_tokens=replay_tokens)
+    sched.rollback_costs = RollbackCosts(token_seconds=1.0, rebuild_seconds=rebuild_seconds)
     check_events(simulate(sc, sched), sc)
 
 
@@ -405,8 +428,9 @@ def test_preemption_takes_the_youngest_and_loses_nothing():
     assert run.events["old"][-1].preemptions == 0 and run.events["young"][-1].preemptions > 0
 
 
-def test_snapshot_with_few_planes_shortens_drafts_and_auto_falls_back():
-    sched = make_scheduler(n_planes=6)  # 5 usable: two sequences hold 4, one plane to borrow
+@pytest.mark.parametrize("replay_tokens,fallback", [(6, "replay"), (0, "checkpoint")])
+def test_snapshot_with_few_planes_shortens_drafts_and_auto_falls_back(replay_tokens, fallback):
+    sched = make_scheduler(n_planes=6, replay_tokens=replay_tokens)  # 5 usable: two sequences hold 4, one to borrow
     model = FakeModel(4)
     reqs = [Request("snap", (3,), max_tokens=20, speculative=spec(6, "snapshot")),
             Request("auto", (4,), max_tokens=20, speculative=spec(6, "auto"))]
@@ -419,7 +443,7 @@ def test_snapshot_with_few_planes_shortens_drafts_and_auto_falls_back():
     plan = sched.schedule()
     snap, auto = plan.row("snap"), plan.row("auto")
     assert (snap.mode, snap.draft_max) == ("snapshot", 1)  # 1 spare + 1 borrowed plane = 2 writes
-    assert (auto.mode, auto.draft_max) == ("checkpoint", 6)
+    assert (auto.mode, auto.draft_max) == (fallback, 6)
     assert len(snap.write_pool) == 2 and len(auto.write_pool) == 1
     sched.update(plan, verify_greedy(plan, model.run(plan, prompts)))
     assert sched.memory.free_planes == 1
@@ -455,7 +479,7 @@ def test_memory_is_granted_for_the_policys_plan():
 @settings(max_examples=25, deadline=None)
 @given(abort_step=st.integers(0, 12), mid_flight=st.booleans(), victim=st.integers(0, 3), seed=st.integers(0, 99))
 def test_abort_at_any_point_returns_memory(abort_step, mid_flight, victim, seed):
-    modes = ["auto", "snapshot", "checkpoint", "auto"]
+    modes = ["auto", "snapshot", "checkpoint", "replay"]
     reqs = [Request(f"s{i}", (i + 1, 2, 3, 4, 5, 6, 7)[: 2 + 2 * i], max_tokens=8, speculative=spec(3, modes[i]))
             for i in range(4)]
     sc = Scenario(reqs, {f"s{i}": i for i in range(4)}, {f"s{victim}": (abort_step, mid_flight)},
