@@ -6,9 +6,11 @@ plots.
     gdnspec bench engine --model ... --budgets-mb 8,64,1024 --concurrency 16 --out ...   # a budget sweep
 
 One engine per (concurrency, budget) serves every cell of it: it compiles all its step shapes first
-(`Engine.warmup`), so no cell pays a compilation, then runs plain decoding and each (alpha, d, mode) `--repeats`
-times, reporting the median with the range. Every speculative run is checked against the plain run's tokens (the
-lossless invariant) before it is reported.
+(`Engine.warmup`, which also calibrates the costs `auto` weighs), so no cell pays a compilation, then runs plain
+decoding (after one untimed batch) and each (alpha, d) `--repeats` times, every mode once per repeat in turn,
+starting with another each time (so that a slow spell on a shared machine falls on all modes alike), reporting the median with the range and the rollback steps each mode
+took. Every speculative run is checked against the plain run's tokens (the lossless invariant) before it is
+reported. `cells` compares, per (concurrency, budget, alpha, d), auto with the best forced mode.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import numpy as np
 from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
-from scheduler import Engine, GenerationRequest, TokensEvent
+from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
+from scheduler.engine import DEFAULT_ITERATIONS
 from bench import save_json
 
 
 async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:
     """All requests at once; returns tokens per request and timings."""
     results: dict[int, dict] = {}
+    rollback_steps: dict[str, int] = {}
 
     async def one(i: int, request: GenerationRequest):
         tokens, first, start = [], None, time.perf_counter()
@@ -39,33 +43,62 @@ async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:
             if isinstance(event, TokensEvent):
                 first = first or time.perf_counter()
                 tokens += event.token_ids
+            elif isinstance(event, DoneEvent):
+                for mode, n in event.rollback_steps.items():
+                    rollback_steps[mode] = rollback_steps.get(mode, 0) + n
         results[i] = {"tokens": tokens, "start": start, "first": first, "end": time.perf_counter()}
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     async with anyio.create_task_group() as tg:
         for i, request in enumerate(requests):
             tg.start_soon(one, i, request)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     total = sum(len(r["tokens"]) for r in results.values())
     per_seq = [len(r["tokens"]) / (r["end"] - r["start"]) for r in results.values()]
-    return {"tokens": [results[i]["tokens"] for i in range(len(requests))], "wall_s": wall,
-            "tokens_per_s": total / wall, "per_seq_tokens_per_s": float(np.mean(per_seq))}  # fmt: skip
+    return {"tokens": [results[i]["tokens"] for i in range(len(requests))], "wall_s": wall, "cpu_s": cpu,
+            "tokens_per_s": total / wall, "tokens_per_cpu_s": total / cpu,
+            "per_seq_tokens_per_s": float(np.mean(per_seq)), "rollback_steps": rollback_steps}  # fmt: skip
 
 
 def _cell(runs: list[dict]) -> dict:
     rates = [r["tokens_per_s"] for r in runs]
+    steps: dict[str, int] = {}
+    for r in runs:
+        for mode, n in r.get("rollback_steps", {}).items():
+            steps[mode] = steps.get(mode, 0) + n
     return {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
-            "per_seq_tokens_per_s": statistics.median(r["per_seq_tokens_per_s"] for r in runs)}  # fmt: skip
+            "tokens_per_cpu_s": statistics.median(r["tokens_per_cpu_s"] for r in runs),
+            "per_seq_tokens_per_s": statistics.median(r["per_seq_tokens_per_s"] for r in runs),
+            "rollback_steps": steps}  # fmt: skip
+
+
+def compare_auto(runs: list[dict], key: str = "tokens_per_s") -> list[dict]:
+    """Per (concurrency, budget, alpha, d): auto's tokens/s (or `key`) against the best forced mode's."""
+    cells, rate = [], key
+    keys = sorted({(r["concurrency"], r["budget_mb"], r["alpha"], r["d"]) for r in runs if r["mode"] == "auto"})
+    for cell in keys:
+        same = {r["mode"]: r for r in runs if (r["concurrency"], r["budget_mb"], r["alpha"], r["d"]) == cell}
+        forced = {m: r for m, r in same.items() if m not in ("auto", "plain")}
+        if not forced:
+            continue
+        best = max(forced, key=lambda m: forced[m][rate])
+        auto = same["auto"][rate]
+        cells.append({"concurrency": cell[0], "budget_mb": cell[1], "alpha": cell[2], "d": cell[3], "by": rate,
+                      "auto": auto, "best_forced": best, "best_forced_rate": forced[best][rate],
+                      "auto_vs_best": auto / forced[best][rate],
+                      "auto_rollback_steps": same["auto"]["rollback_steps"]})  # fmt: skip
+    return cells
 
 
 def run(args) -> dict:
-    model = load_model(args.model)
+    model = load_model(args.model, load_mtp=not args.no_mtp)
     rng = np.random.default_rng(0)
     alphas = [float(a) for a in args.alpha.split(",")]
     lengths = [int(d) for d in args.d.split(",")]
     modes = args.modes.split(",")
     out = {"model": os.path.basename(args.model), "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
-           "repeats": args.repeats, "runs": []}  # fmt: skip
+           "repeats": args.repeats, "chunk_size": args.chunk_size, "iterations": args.iterations,
+           "runs": []}  # fmt: skip
     for concurrency, budget_mb in itertools.product(map(int, args.concurrency.split(",")),
                                                     map(float, args.budgets_mb.split(","))):  # fmt: skip
         prompts = [tuple(int(t) for t in rng.integers(0, model.cfg.n_vocab, args.prompt_tokens))
@@ -74,39 +107,57 @@ def run(args) -> dict:
         for a, drafter in drafters.items():
             drafter.name = f"synthetic{int(round(a * 100))}"
         engine = Engine(model, extra_drafters=list(drafters.values()), budget_bytes=int(budget_mb * 2**20),
-                        max_running=concurrency, n_max=max(lengths), adaptive=False,
-                        max_model_len=args.prompt_tokens + args.max_tokens + 16)  # fmt: skip
+                        max_running=concurrency, n_max=max(lengths), adaptive=False, chunk_size=args.chunk_size,
+                        iterations=args.iterations, max_model_len=args.prompt_tokens + args.max_tokens + 16)  # fmt: skip
         start = time.perf_counter()
         n_shapes = engine.warmup()
+        sizes = engine.memory.sizes
         print(f"B={concurrency:2d} budget {budget_mb:g} MB: {n_shapes} shapes compiled in "
-              f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+              f"{time.perf_counter() - start:.0f} s; {sizes.n_planes - 1} planes, {sizes.n_pages - 1} pages, "
+              f"replay pool {sizes.replay_tokens} tokens per row", flush=True)  # fmt: skip
 
         async def cells():
             async with engine:
+                await _run_batch(engine, [GenerationRequest(p, args.max_tokens) for p in prompts])  # warm-up
                 plain = [await _run_batch(engine, [GenerationRequest(p, args.max_tokens) for p in prompts])
                          for _ in range(args.repeats)]  # fmt: skip
                 base = _cell(plain)
                 out["runs"].append({"concurrency": concurrency, "budget_mb": budget_mb, "mode": "plain",
-                                    "alpha": None, "d": 0, **base})  # fmt: skip
-                print(f"B={concurrency:2d} {budget_mb:g} MB plain: {base['tokens_per_s']:.1f} tokens/s", flush=True)
+                                    "alpha": None, "d": 0, "planes": sizes.n_planes - 1, **base})  # fmt: skip
+                print(f"B={concurrency:2d} {budget_mb:g} MB plain: {base['tokens_per_s']:.1f} tokens/s, "
+                      f"{base['tokens_per_cpu_s']:.1f} per CPU s", flush=True)  # fmt: skip
                 for drafter in drafters.values():
                     drafter.references[:] = [list(p) + t for p, t in zip(prompts, plain[0]["tokens"])]
-                for alpha, d, mode in itertools.product(alphas, lengths, modes):
-                    spec = SpeculativeConfig((drafters[alpha].name,), n_max=d, rollback=mode)
-                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
-                    runs = [await _run_batch(engine, requests) for _ in range(args.repeats)]
-                    if any(r["tokens"] != plain[0]["tokens"] for r in runs):
-                        raise AssertionError(f"speculative output differs from plain (alpha {alpha}, d {d}, {mode})")
-                    cell = _cell(runs)
-                    cell["speedup_vs_plain"] = cell["tokens_per_s"] / base["tokens_per_s"]
-                    out["runs"].append({"concurrency": concurrency, "budget_mb": budget_mb, "mode": mode,
-                                        "alpha": alpha, "d": d, **cell})  # fmt: skip
-                    print(f"B={concurrency:2d} {budget_mb:g} MB alpha={alpha} d={d} {mode:10s}: "
-                          f"{cell['tokens_per_s']:.1f} tokens/s [{cell['min']:.1f}, {cell['max']:.1f}] "
-                          f"({cell['speedup_vs_plain']:.2f}x plain)", flush=True)  # fmt: skip
+                for alpha, d in itertools.product(alphas, lengths):
+                    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+                    for repeat in range(args.repeats):
+                        for mode in modes[repeat % len(modes):] + modes[: repeat % len(modes)]:  # each one first
+                            spec = SpeculativeConfig((drafters[alpha].name,), n_max=d, rollback=mode)
+                            requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
+                            result = await _run_batch(engine, requests)
+                            if result["tokens"] != plain[0]["tokens"]:
+                                raise AssertionError(f"speculative output differs from plain (alpha {alpha}, d {d}, "
+                                                     f"{mode})")  # fmt: skip
+                            runs[mode].append(result)
+                    for mode in modes:
+                        cell = _cell(runs[mode])
+                        cell["speedup_vs_plain"] = cell["tokens_per_s"] / base["tokens_per_s"]
+                        out["runs"].append({"concurrency": concurrency, "budget_mb": budget_mb, "mode": mode,
+                                            "alpha": alpha, "d": d, "planes": sizes.n_planes - 1, **cell})  # fmt: skip
+                        print(f"B={concurrency:2d} {budget_mb:g} MB alpha={alpha} d={d} {mode:10s}: "
+                              f"{cell['tokens_per_s']:.1f} tokens/s [{cell['min']:.1f}, {cell['max']:.1f}] "
+                              f"({cell['speedup_vs_plain']:.2f}x plain), {cell['tokens_per_cpu_s']:.1f} per CPU s, "
+                              f"steps {cell['rollback_steps']}",
+                              flush=True)  # fmt: skip
+                    out["cells"] = compare_auto(out["runs"]) + compare_auto(out["runs"], "tokens_per_cpu_s")
                     save_json(out, args.out)  # a partial run still leaves its results
 
         anyio.run(cells)
+    out["cells"] = compare_auto(out["runs"]) + compare_auto(out["runs"], "tokens_per_cpu_s")
+    for c in out["cells"]:
+        print(f"B={c['concurrency']:2d} {c['budget_mb']:g} MB alpha={c['alpha']} d={c['d']} ({c['by']}): auto "
+              f"{c['auto']:.1f}, best forced {c['best_forced']} {c['best_forced_rate']:.1f}: "
+              f"{c['auto_vs_best']:.2f}x", flush=True)  # fmt: skip
     return out
 
 
@@ -124,7 +175,7 @@ def plot(results: dict, path: str) -> None:
     configs = sorted({(r["alpha"], r["d"]) for r in runs if r["mode"] != "plain"})
     fig, axes = plt.subplots(1, len(configs), figsize=(4 * len(configs), 3.5), squeeze=False, sharey=True)
     for ax, (alpha, d) in zip(axes[0], configs):
-        for mode in ("plain", "snapshot", "checkpoint", "auto"):
+        for mode in ("plain", "snapshot", "checkpoint", "replay", "auto"):
             pts = sorted((r[x_key], r["tokens_per_s"]) for r in runs
                          if r["mode"] == mode and (mode == "plain" or (r["alpha"], r["d"]) == (alpha, d)))
             if pts:
@@ -132,8 +183,11 @@ def plot(results: dict, path: str) -> None:
         ax.set_title(f"alpha={alpha}, d={d}")
         ax.set_xlabel(x_label)
         ax.set_xscale("log", base=2)
+        xs = sorted({r[x_key] for r in runs})
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.minorticks_off()
     axes[0][0].set_ylabel("aggregate tokens/s")
-    axes[0][-1].legend()
+    axes[0][-1].legend(fontsize="small", loc="lower right")
     fig.suptitle(f"{results['model']}: synthetic drafter (median of {results['repeats']})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -146,11 +200,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--alpha", default="0.6,0.9")
     parser.add_argument("--d", default="3,8")
-    parser.add_argument("--modes", default="snapshot,checkpoint,auto")
+    parser.add_argument("--modes", default="snapshot,checkpoint,replay,auto")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--budgets-mb", default="1024", help="memory budgets to sweep, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-size", type=int, default=128, help="the engine's prompt chunk (fewer shapes when "
+                        "no larger than the prompts)")
+    parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,
+                        help="iterations per device call while the host has nothing to decide (plain decoding and "
+                        "rows drafted on device only; the synthetic drafter drafts on the host)")
+    parser.add_argument("--no-mtp", action="store_true", help="load the target without its MTP head (the synthetic "
+                        "drafter does not use it; its branch then does not compile)")
     args = parser.parse_args(argv)
     results = run(args)
     save_json(results, args.out)
