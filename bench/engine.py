@@ -4,13 +4,16 @@ plots.
 
     gdnspec bench engine --model bench/out/qwen35-0.8b-f32.gguf --out bench/results/engine-cpu.json
     gdnspec bench engine --model ... --budgets-mb 8,64,1024 --concurrency 16 --out ...   # a budget sweep
+    gdnspec bench engine --model ... --budgets-mb 0.4,1 --per-sequence --concurrency 1,4,16 --out ...
 
 One engine per (concurrency, budget) serves every cell of it: it compiles all its step shapes first
 (`Engine.warmup`, which also calibrates the costs `auto` weighs), so no cell pays a compilation, then runs plain
 decoding (after one untimed batch) and each (alpha, d) `--repeats` times, every mode once per repeat in turn,
 starting with another each time (so that a slow spell on a shared machine falls on all modes alike), reporting the median with the range and the rollback steps each mode
 took. Every speculative run is checked against the plain run's tokens (the lossless invariant) before it is
-reported. `cells` compares, per (concurrency, budget, alpha, d), auto with the best forced mode.
+reported. `cells` compares, per (concurrency, budget, alpha, d), auto with the best forced mode. With
+`--per-sequence` each budget is per concurrent sequence (the engine gets it times the concurrency), so one budget
+means the same planes per sequence at every concurrency.
 """
 
 from __future__ import annotations
@@ -73,12 +76,16 @@ def _cell(runs: list[dict]) -> dict:
 
 
 def compare_auto(runs: list[dict], key: str = "tokens_per_s") -> list[dict]:
-    """Per (concurrency, budget, alpha, d): auto's tokens/s (or `key`) against the best forced mode's."""
+    """Per (concurrency, budget, alpha, d): auto's tokens/s (or `key`) against the best forced mode's.
+
+    A forced mode that never rolled back in its own mode is left out (`not_rolled_back`): forced snapshot without
+    a free plane drafts nothing, so its figure is plain decoding's, not a rollback mode's."""
     cells, rate = [], key
     keys = sorted({(r["concurrency"], r["budget_mb"], r["alpha"], r["d"]) for r in runs if r["mode"] == "auto"})
     for cell in keys:
         same = {r["mode"]: r for r in runs if (r["concurrency"], r["budget_mb"], r["alpha"], r["d"]) == cell}
-        forced = {m: r for m, r in same.items() if m not in ("auto", "plain")}
+        forced = {m: r for m, r in same.items() if m not in ("auto", "plain") and r["rollback_steps"].get(m, 0)}
+        idle = sorted(m for m in same if m not in ("auto", "plain") and m not in forced)
         if not forced:
             continue
         best = max(forced, key=lambda m: forced[m][rate])
@@ -86,7 +93,7 @@ def compare_auto(runs: list[dict], key: str = "tokens_per_s") -> list[dict]:
         cells.append({"concurrency": cell[0], "budget_mb": cell[1], "alpha": cell[2], "d": cell[3], "by": rate,
                       "auto": auto, "best_forced": best, "best_forced_rate": forced[best][rate],
                       "auto_vs_best": auto / forced[best][rate],
-                      "auto_rollback_steps": same["auto"]["rollback_steps"]})  # fmt: skip
+                      "auto_rollback_steps": same["auto"]["rollback_steps"], "not_rolled_back": idle})  # fmt: skip
     return cells
 
 
@@ -99,8 +106,10 @@ def run(args) -> dict:
     out = {"model": os.path.basename(args.model), "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
            "repeats": args.repeats, "chunk_size": args.chunk_size, "iterations": args.iterations,
            "runs": []}  # fmt: skip
-    for concurrency, budget_mb in itertools.product(map(int, args.concurrency.split(",")),
-                                                    map(float, args.budgets_mb.split(","))):  # fmt: skip
+    out["per_sequence"] = args.per_sequence
+    for concurrency, budget_arg in itertools.product(map(int, args.concurrency.split(",")),
+                                                     map(float, args.budgets_mb.split(","))):  # fmt: skip
+        budget_mb = budget_arg * concurrency if args.per_sequence else budget_arg
         prompts = [tuple(int(t) for t in rng.integers(0, model.cfg.n_vocab, args.prompt_tokens))
                    for _ in range(concurrency)]  # fmt: skip
         drafters = {a: SyntheticDrafter([], alpha=a, vocab=model.cfg.n_vocab, seed=1) for a in alphas}
@@ -123,7 +132,8 @@ def run(args) -> dict:
                          for _ in range(args.repeats)]  # fmt: skip
                 base = _cell(plain)
                 out["runs"].append({"concurrency": concurrency, "budget_mb": budget_mb, "mode": "plain",
-                                    "alpha": None, "d": 0, "planes": sizes.n_planes - 1, **base})  # fmt: skip
+                                    "alpha": None, "d": 0, "planes": sizes.n_planes - 1,
+                                    "budget_mb_per_seq": budget_mb / concurrency, **base})  # fmt: skip
                 print(f"B={concurrency:2d} {budget_mb:g} MB plain: {base['tokens_per_s']:.1f} tokens/s, "
                       f"{base['tokens_per_cpu_s']:.1f} per CPU s", flush=True)  # fmt: skip
                 for drafter in drafters.values():
@@ -143,7 +153,8 @@ def run(args) -> dict:
                         cell = _cell(runs[mode])
                         cell["speedup_vs_plain"] = cell["tokens_per_s"] / base["tokens_per_s"]
                         out["runs"].append({"concurrency": concurrency, "budget_mb": budget_mb, "mode": mode,
-                                            "alpha": alpha, "d": d, "planes": sizes.n_planes - 1, **cell})  # fmt: skip
+                                            "alpha": alpha, "d": d, "planes": sizes.n_planes - 1,
+                                            "budget_mb_per_seq": budget_mb / concurrency, **cell})  # fmt: skip
                         print(f"B={concurrency:2d} {budget_mb:g} MB alpha={alpha} d={d} {mode:10s}: "
                               f"{cell['tokens_per_s']:.1f} tokens/s [{cell['min']:.1f}, {cell['max']:.1f}] "
                               f"({cell['speedup_vs_plain']:.2f}x plain), {cell['tokens_per_cpu_s']:.1f} per CPU s, "
@@ -162,31 +173,42 @@ def run(args) -> dict:
 
 
 def plot(results: dict, path: str) -> None:
-    """Aggregate tokens/s per mode, one panel per (alpha, d): against concurrency at each budget, or against the
-    budget when the run swept budgets."""
+    """Aggregate tokens/s per mode, one panel per (concurrency, alpha, d): against the budget when the run swept
+    budgets (per sequence with --per-sequence), else against concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = results["runs"]
-    budgets = sorted({r["budget_mb"] for r in runs})
-    x_key, x_label = ("budget_mb", "budget (MB)") if len(budgets) > 1 else ("concurrency", "concurrent sequences")
+    per_seq = results.get("per_sequence", False)
+    budget_key = "budget_mb_per_seq" if per_seq else "budget_mb"
+    sweeps_budget = len({r[budget_key] for r in runs}) > 1
+    if sweeps_budget:
+        x_key, x_label = budget_key, "budget per sequence (MB)" if per_seq else "budget (MB)"
+        panel_rows = sorted({r["concurrency"] for r in runs})
+    else:
+        x_key, x_label, panel_rows = "concurrency", "concurrent sequences", [None]
     configs = sorted({(r["alpha"], r["d"]) for r in runs if r["mode"] != "plain"})
-    fig, axes = plt.subplots(1, len(configs), figsize=(4 * len(configs), 3.5), squeeze=False, sharey=True)
-    for ax, (alpha, d) in zip(axes[0], configs):
-        for mode in ("plain", "snapshot", "checkpoint", "replay", "auto"):
-            pts = sorted((r[x_key], r["tokens_per_s"]) for r in runs
-                         if r["mode"] == mode and (mode == "plain" or (r["alpha"], r["d"]) == (alpha, d)))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=mode)
-        ax.set_title(f"alpha={alpha}, d={d}")
+    fig, axes = plt.subplots(len(panel_rows), len(configs), figsize=(4 * len(configs), 3.2 * len(panel_rows)),
+                             squeeze=False, sharey="row")  # fmt: skip
+    for row_axes, concurrency in zip(axes, panel_rows):
+        chosen = [r for r in runs if concurrency is None or r["concurrency"] == concurrency]
+        for ax, (alpha, d) in zip(row_axes, configs):
+            for mode in ("plain", "snapshot", "checkpoint", "replay", "auto"):
+                pts = sorted((r[x_key], r["tokens_per_s"]) for r in chosen
+                             if r["mode"] == mode and (mode == "plain" or (r["alpha"], r["d"]) == (alpha, d)))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=mode)
+            title = f"alpha={alpha}, d={d}"
+            ax.set_title(title if concurrency is None else f"{concurrency} sequences, {title}", fontsize="medium")
+            ax.set_xscale("log", base=2)
+            xs = sorted({r[x_key] for r in chosen})
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+            ax.minorticks_off()
+        row_axes[0].set_ylabel("aggregate tokens/s")
+    for ax in axes[-1]:
         ax.set_xlabel(x_label)
-        ax.set_xscale("log", base=2)
-        xs = sorted({r[x_key] for r in runs})
-        ax.set_xticks(xs, [f"{x:g}" for x in xs])
-        ax.minorticks_off()
-    axes[0][0].set_ylabel("aggregate tokens/s")
     axes[0][-1].legend(fontsize="small", loc="lower right")
     fig.suptitle(f"{results['model']}: synthetic drafter (median of {results['repeats']})")
     fig.tight_layout()
@@ -204,6 +226,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--budgets-mb", default="1024", help="memory budgets to sweep, comma-separated")
+    parser.add_argument("--per-sequence", action="store_true", help="--budgets-mb are per concurrent sequence")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=128, help="the engine's prompt chunk (fewer shapes when "
                         "no larger than the prompts)")

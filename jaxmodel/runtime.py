@@ -38,11 +38,13 @@ class Sampling:
 class RowLoop:
     """Lets a row run further iterations in the same device call (see `jaxmodel.speculative.LoopInputs`): each
     feeds the bonus token and up to n_draft MTP drafts, writing into `planes` (the row's read plane first, then
-    its write planes in order) minus the live one; at most `budget` tokens are committed in all."""
+    its write planes in order) minus the live one; at most `budget` tokens are committed in all. replay: the
+    iterations roll back by replay (two planes; n_draft at most the runtime's replay pool), else by snapshot."""
 
     n_draft: int
     planes: Sequence[int]
     budget: int
+    replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -257,24 +259,27 @@ class Runtime:
         plane = np.full((B,), -1, np.int32)
         for b, r in enumerate(rows):
             if r.replay:
-                if b >= self.replay_slots or len(r.drafts) > self.replay_tokens or r.loop is not None:
-                    raise ValueError(f"row {b}: replay needs a replay slot, at most {self.replay_tokens} drafts "
-                                     f"and no later iterations")  # fmt: skip
+                if b >= self.replay_slots or len(r.drafts) > self.replay_tokens:
+                    raise ValueError(f"row {b}: replay needs a replay slot and at most {self.replay_tokens} "
+                                     f"drafts")  # fmt: skip
                 plane[b] = r.row.write_planes[r.row.logit_rows[0]]
         return ReplayInputs(plane, np.bool_((plane >= 0).any()))
 
     def _loop_inputs(self, rows: Sequence[StepRow], B: int, iterations: int) -> LoopInputs:
         width = self.mtp_chain_max + 2
-        loops = np.zeros((B,), bool)
+        loops, replay = np.zeros((B,), bool), np.zeros((B,), bool)
         n_draft, budget, capacity = np.zeros((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B,), np.int32)
         planes = np.full((B, width), -1, np.int32)
         for b, r in enumerate(rows):
             if r.loop is not None:
-                loops[b] = True
+                if r.loop.replay and (b >= self.replay_slots or r.loop.n_draft > self.replay_tokens):
+                    raise ValueError(f"row {b}: replay iterations need a replay slot and at most "
+                                     f"{self.replay_tokens} drafts")  # fmt: skip
+                loops[b], replay[b] = True, r.loop.replay
                 n_draft[b], budget[b] = r.loop.n_draft, r.loop.budget
                 planes[b, : len(r.loop.planes)] = r.loop.planes[:width]
             capacity[b] = len(r.row.pages) * self.page_size
-        return LoopInputs(loops, n_draft, planes, budget, capacity, self.stop_ids, np.int32(iterations))
+        return LoopInputs(loops, replay, n_draft, planes, budget, capacity, self.stop_ids, np.int32(iterations))
 
     @staticmethod
     def _step_inputs(rows: Sequence[StepRow], B: int, R: int) -> tuple[VerifyInputs, ChainInputs]:

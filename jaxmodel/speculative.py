@@ -214,12 +214,15 @@ def iteration(
 class LoopInputs:
     """Rows that may run further iterations in the same call, without the host in between (all [B] unless noted).
 
-    A looping row feeds its bonus token and up to n_draft of the MTP head's drafts per iteration, in snapshot mode:
+    A looping row feeds its bonus token and up to n_draft of the MTP head's drafts per iteration. In snapshot mode
     it reads its live plane and writes the state after each fed token into `planes` minus the live one, in order;
-    after a accepted drafts the a-th of those becomes live (the host's scheduler replays the same rule).
+    after a accepted drafts the a-th of those becomes live. A `replay` row owns two planes: it writes the state
+    after the bonus into the other one, records its drafts' GDN inputs in its replay slot, and that plane, advanced
+    by the accepted drafts after verification, becomes live. The host's scheduler replays the same rules.
     """
 
     loops: jax.Array  # [B] bool
+    replay: jax.Array  # [B] bool, rows in replay rollback (n_draft at most the replay pool's tokens)
     n_draft: jax.Array  # [B] int32, drafts per later iteration (0: plain decoding)
     planes: jax.Array  # [B, n_max + 2] int32, the planes the row owns (its read plane first), -1 padding
     budget: jax.Array  # [B] int32, tokens the row may still commit (max_tokens, context length)
@@ -259,7 +262,8 @@ def speculative_step(
     loop.n_iterations - 1 more iterations (each feeding the bonus token and the MTP drafts of the one before),
     stopping a row at an end-of-generation id, its token budget or the end of its pages.
 
-    replay: rows in replay rollback in the first iteration (they run no later ones).
+    replay: rows in replay rollback in the first iteration (None: no row of this step shape can replay, and no
+    later iteration replays either).
 
     Returns the first iteration's output (its drafts are the ones after the row's last iteration), the later
     iterations' record (None without `loop`) and the state.
@@ -273,7 +277,8 @@ def speculative_step(
     K = max_iterations - 1
     n_committed = first.n_accepted + 1
     start = batch.positions[:, 0] + batch.n_tokens - verify_in.n_drafts + first.n_accepted  # the bonus's position
-    live = jnp.take_along_axis(_next_write_planes(loop.planes, batch.read_plane), first.n_accepted[:, None], axis=1)[:, 0]
+    live_index = jnp.where(loop.replay, 0, first.n_accepted)  # a replay row's one write plane is live after the rebuild
+    live = jnp.take_along_axis(_next_write_planes(loop.planes, batch.read_plane), live_index[:, None], axis=1)[:, 0]
     active = (loop.loops & verify_in.commits & ~_stops(first.tokens, n_committed, loop.stop_ids)
               & (n_committed < loop.budget) & (start + loop.n_draft < loop.capacity))  # fmt: skip
     bonus = jnp.take_along_axis(first.tokens, first.n_accepted[:, None], axis=1)[:, 0]
@@ -300,11 +305,16 @@ def speculative_step(
         )  # fmt: skip
         verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
         chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), loop.n_draft, -1), chain.p_min)
-        out, state = iteration(weights, cfg, step, state, verify_j, chain_j, n_max=n_max, draft_vocab=draft_vocab)
+        replaying = active & loop.replay & (n_fed > 0)
+        replay_j = None if replay is None else ReplayInputs(jnp.where(replaying, write_pool[:, 0], -1),
+                                                             jnp.any(replaying))  # fmt: skip
+        out, state = iteration(weights, cfg, step, state, verify_j, chain_j, replay_j, n_max=n_max,
+                               draft_vocab=draft_vocab)  # fmt: skip
         a = out.n_accepted
         record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
                             tokens=record.tokens.at[j - 1].set(out.tokens), n_drafts=record.n_drafts.at[j - 1].set(n_fed))
-        live = jnp.where(active, jnp.take_along_axis(write_pool, a[:, None], axis=1)[:, 0], live)
+        a_live = jnp.where(loop.replay, 0, a)
+        live = jnp.where(active, jnp.take_along_axis(write_pool, a_live[:, None], axis=1)[:, 0], live)
         start = jnp.where(active, start + 1 + a, start)
         bonus = jnp.where(active, jnp.take_along_axis(out.tokens, a[:, None], axis=1)[:, 0], bonus)
         drafts = jnp.where(active[:, None], out.drafts[:, : W - 1], drafts)

@@ -210,7 +210,7 @@ class Engine:
         """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
         (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
         the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
-        rebuild once (its calibrated cost is not the target's). Steps with prompt chunks are not reported: their
+        rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not reported: their
         cost follows the chunk, not the drafts."""
         if not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
@@ -218,7 +218,9 @@ class Engine:
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
-        rebuild_seconds = (self.runtime.rebuild_cost(len(rows)) or 0.0) if any(r.replay for r in rows) else 0.0
+        # The rebuild runs in every iteration where a row replays (calls with replay rows are seldom others').
+        replaying = [r.replay or (r.loop is not None and r.loop.replay) for r in rows]
+        rebuild_seconds = (self.runtime.rebuild_cost(len(rows)) or 0.0) * n_iterations if any(replaying) else 0.0
         self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),
                                   plan.n_tokens)  # fmt: skip
         n_chained = sum(n for _, n in chaining)
@@ -246,8 +248,8 @@ class Engine:
     def _step_row(self, row: Row, batch_size: int, may_loop: bool) -> StepRow:
         """The runtime's view of a plan row: its drafts, sampling, the drafts to chain on device for its next step
         (as long as the policy would plan for each drafter that chains on device), and whether it may run more
-        iterations in the same call (a decoding row in snapshot or plain mode, without stop strings, whose drafts
-        come from the device)."""
+        iterations in the same call (a decoding row in plain, snapshot or replay mode, without stop strings, whose
+        drafts come from the device)."""
         request = self.scheduler.request(row.seq_id)
         config = request.speculative
         n_chain = -1
@@ -257,10 +259,11 @@ class Engine:
         p_min = config.p_min if config else 0.0
         loop = None
         device = self._device_drafter(row)
-        if (may_loop and row.needs_logits and len(row.fed) == 1 and row.mode in ("snapshot", None)
+        if (may_loop and row.needs_logits and len(row.fed) == 1 and row.mode in ("snapshot", "replay", None)
                 and row.drafter in (None, device) and not request.stop_strings):
-            n_draft = min(max(n_chain, 0), row.draft_max) if device is not None and row.mode == "snapshot" else 0
-            loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id))
+            n_draft = min(max(n_chain, 0), row.draft_max) if device is not None and row.mode is not None else 0
+            loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id),
+                           replay=row.mode == "replay")  # fmt: skip
         return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop,
                        replay=row.mode == "replay" and bool(row.drafts))
 

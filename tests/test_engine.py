@@ -176,10 +176,11 @@ def test_lossless_for_generated_prompts(target, draft, prompt, drafters, alpha, 
     assert done.completion_tokens == 8
 
 
-@pytest.mark.parametrize("drafters,rollback", [(None, "auto"), (("mtp",), "snapshot"), (("mtp",), "auto")])
+@pytest.mark.parametrize("drafters,rollback", [(None, "auto"), (("mtp",), "snapshot"), (("mtp",), "replay")])
 def test_several_iterations_per_device_call_are_lossless(target, prompts, references, drafters, rollback):
     """One request at a time: decoding steps run up to 4 iterations per device call (fewer calls than tokens),
-    with the same tokens as plain greedy decoding."""
+    with the same tokens as plain greedy decoding, rolling back in the mode asked for (replay rows alternate
+    between their two planes inside the call)."""
     spec = SpeculativeConfig(drafters, n_max=3, rollback=rollback) if drafters else None
 
     async def main():
@@ -190,10 +191,14 @@ def test_several_iterations_per_device_call_are_lossless(target, prompts, refere
                 tokens, done, _ = await collect(engine, GenerationRequest(prompt, MAX_TOKENS, speculative=spec))
                 assert tokens == references[prompt], prompt
                 assert done.finish_reason == "length" and done.completion_tokens == MAX_TOKENS
+                if spec is not None:
+                    assert done.rollback_steps[rollback] > 0
+                    assert sum(done.rollback_steps.values()) == done.rollback_steps[rollback]
         return engine.steps
 
     steps = anyio.run(main)
-    assert steps <= 4 * (1 + 1 + MAX_TOKENS // 2)  # per prompt: prefill chunks, then at least 2 tokens per call
+    # Per prompt: the prefill call commits a token, then every call at least 4 (one per iteration).
+    assert steps <= 4 * (1 + -(-(MAX_TOKENS - 1) // 4))
 
 
 def test_end_of_generation_id_ends_a_sequence_inside_a_device_loop(target, prompts, references):
