@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -25,10 +27,61 @@ def matmul_precision(w: jax.Array) -> jax.lax.Precision:
     return jax.lax.Precision.HIGHEST if w.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+# Small-row products on XLA's CPU backend (see linear()). jaxlib 0.10 runs an f32 dot of one row with XLA's own
+# matrix-vector kernel but hands every dot of 2+ rows to YNNPACK, which costs 2-4x the one-row product at the 0.8B
+# model's shapes although both stream the same weights once.
+ROWS_SPLIT_MAX = 2  # up to this many rows: one matrix-vector product per row
+ROWS_SPLIT_MAX_WIDE = 4  # ... up to this many when n_out >= WIDE_N_OUT (the LM head)
+WIDE_N_OUT = 16384
+EIGEN_ROWS_MAX = 32  # above this (prefill chunks) YNNPACK's matrix product wins
+SMALL_WEIGHT_ELEMS = 1 << 19  # n_in * n_out below this (cache-resident: the bundled model's, but its head): plain dot
+
+
+def small_row_form(m: int, w: jax.Array) -> str:
+    """Which product `linear` runs for m rows times w: "dot", "rows" or "eigen" (see linear)."""
+    n_in, n_out = w.shape
+    if (m <= 1 or m > EIGEN_ROWS_MAX or w.dtype != jnp.float32 or n_in * n_out < SMALL_WEIGHT_ELEMS
+            or jax.default_backend() != "cpu"):
+        return "dot"
+    return "rows" if m <= (ROWS_SPLIT_MAX_WIDE if n_out >= WIDE_N_OUT else ROWS_SPLIT_MAX) else "eigen"
+
+
+def eigen_dot(x: jax.Array, w: jax.Array, precision: jax.lax.Precision) -> jax.Array:
+    """x [M, K] @ w [K, N] as dot_general(x^T, w) contracting dim 0 of both. YNNPACK declines a column-major lhs, so
+    XLA runs the product with Eigen; the barrier keeps XLA from folding the transpose back into a row-major dot."""
+    xt = jax.lax.optimization_barrier(x.T)
+    return jax.lax.dot_general(xt, w, (((0,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
 def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
-    """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32."""
-    y = jnp.einsum("...i,io->...o", as_matmul_input(x, w), w, preferred_element_type=jnp.float32,
-                   precision=matmul_precision(w))
+    """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32.
+
+    The formulation is fixed at trace time from M = prod(x.shape[:-1]) and w (`small_row_form`); all compute the
+    same f32 product, only the summation order differs. On CPU, for float32 w with n_in * n_out >= 2^19:
+      M <= 1 or M > 32: the plain dot;
+      M = 2 (M <= 4 when n_out >= 16384, the LM head): M separate one-row products, each at the one-row rate;
+      otherwise (M = 3..32): the dot on x^T (`eigen_dot`), which XLA runs with Eigen instead of YNNPACK.
+    Measured with `python -m bench.matmul_cpu --summarize bench/results/matmul-cpu.json` (2-core AVX2 EPYC,
+    weights streamed from DRAM, summed over one 0.8B step's matmuls, against the plain dot): one-row products
+    1.3x at M = 2 (1.05x in one run); x^T dot 1.3-1.55x at M = 3, 1.3-1.6x at M = 4, 1.35-1.6x at M = 8 and 16,
+    1.4x at M = 24 and 32, about even at M = 64, 2x slower at M = 256. The LM head at M = 3 / 4 (run 2): one-row
+    products 18 / 24 ms, x^T dot 27 / 28, dot 30 / 32. Small weights, f16/bf16 weights and other backends take the
+    plain dot (no gain measured, or not measured).
+    """
+    x = as_matmul_input(x, w)
+    precision = matmul_precision(w)
+    lead, n_in, n_out = x.shape[:-1], w.shape[0], w.shape[1]
+    m = math.prod(lead)
+    form = small_row_form(m, w)
+    if form == "dot":
+        y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32, precision=precision)
+    elif form == "rows":
+        rows = x.reshape(m, n_in)
+        y = jnp.stack([jnp.dot(rows[i], w, preferred_element_type=jnp.float32, precision=precision)
+                       for i in range(m)]).reshape(*lead, n_out)
+    else:
+        y = eigen_dot(x.reshape(m, n_in), w, precision).reshape(*lead, n_out)
     return y if bias is None else y + bias
 
 
