@@ -360,7 +360,8 @@ class Scheduler:
             spare = len(seq.planes) - (seq.live_plane != 0)
             candidates.append(DraftCandidate(seq.request.seq_id, want, req.rollback,
                                              kv_end=seq.n_computed + spec.n_feed, pages_owned=len(seq.pages),
-                                             spare_planes=spare, n_pending=pending, alpha=plan.alpha))
+                                             spare_planes=spare, n_pending=pending, alpha=plan.alpha,
+                                             pending_max=req.n_max))  # fmt: skip
         if not candidates:
             return budget
         reserve = PLANES_PER_SEQUENCE * min(len(self._waiting), self.max_running - len(self._running))

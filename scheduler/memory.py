@@ -22,7 +22,11 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
    (`expected_replay = sum_{k<d} alpha^k (1 - alpha) (p + 1 + k)` in expectation). Steps are padded to a few
    compiled lengths, so what those tokens cost is the longer step they cause when the next step's row
    (p + 2 + k + d tokens instead of 1 + d) crosses a compiled length: `RollbackCosts.checkpoint`, from measured
-   step times (until measured: the expected replayed tokens at the target's per-token cost).
+   step times (until measured: the expected replayed tokens at the target's per-token cost). Replayed tokens also
+   pile up: a checkpoint row keeps its read plane until a step keeps all its drafts, so after a rejection it has
+   p + 1 + k replayed tokens, and a row with more than its request's n_max of them may not draft. Checkpoint is
+   charged that lost draft step too, with the chance that p + 1 + k exceeds n_max: the accepted drafts it would
+   have yielded, at the measured step's time per token.
    - rollback="checkpoint": checkpoint.
    - rollback="snapshot": snapshot; when the free planes do not cover d, the draft is shortened until they do
      (d = 0 always fits). These go first: they were promised.
@@ -113,19 +117,34 @@ class RollbackCosts:
         """Seconds of a step whose longest row feeds n_tokens tokens (None: no measured length holds it)."""
         return next((seconds for length, seconds in self.step_seconds if length >= n_tokens), None)
 
-    def checkpoint(self, rows: Sequence[tuple[float, int, int]]) -> float:
-        """Expected seconds the next step spends on what checkpoints replay, for rows of (alpha, d, p).
+    def checkpoint(self, rows: Sequence[tuple[float, int, int, int | None]]) -> float:
+        """Expected seconds checkpoint rollback costs the next step, for rows of (alpha, d, p, pending_max).
 
         A checkpoint row that keeps k < d drafts replays p + 1 + k tokens at the front of its next step, which
         then feeds up to p + 2d + 1 tokens instead of the 1 + d of a row that rolled back by a plane: the step
         is padded to a longer compiled length when that crosses one, once for all rows. So: the chance that some
         row replays, times the largest such lengthening. Without measured lengths: the expected replayed tokens
-        at token_seconds each."""
-        jumps = [(self.step(p + 2 * d + 1), self.step(1 + d)) for _, d, p in rows]
+        at token_seconds each. Plus, per row, the draft step lost when p + 1 + k exceeds pending_max (None: no
+        limit; see `lost_draft_seconds`)."""
+        lost = sum(self.lost_draft_seconds(alpha, d, p, pending_max) for alpha, d, p, pending_max in rows)
+        jumps = [(self.step(p + 2 * d + 1), self.step(1 + d)) for _, d, p, _ in rows]
         if not rows or any(longer is None or shorter is None for longer, shorter in jumps):
-            return sum(expected_replay(alpha, d, p) for alpha, d, p in rows) * self.token_seconds
-        none_replays = math.prod(alpha**d for alpha, d, _ in rows)
-        return (1.0 - none_replays) * max(max(longer - shorter, 0.0) for longer, shorter in jumps)
+            return lost + sum(expected_replay(alpha, d, p) for alpha, d, p, _ in rows) * self.token_seconds
+        none_replays = math.prod(alpha**d for alpha, d, _, _ in rows)
+        return lost + (1.0 - none_replays) * max(max(longer - shorter, 0.0) for longer, shorter in jumps)
+
+    def lost_draft_seconds(self, alpha: float, d: int, p: int, pending_max: int | None) -> float:
+        """Expected seconds a checkpoint row loses by not drafting next step: a row that keeps k < d drafts has
+        p + 1 + k replayed tokens next step, and more than pending_max of them forbid a draft. The step then yields
+        1 token instead of 1 + sum_{i=1..d} alpha^i, at about the same time, so it loses that share of a verify
+        step's time (the measured 1 + d token step; until measured, 1 + d tokens at token_seconds each)."""
+        if pending_max is None:
+            return 0.0
+        p_lost = sum(alpha**k * (1.0 - alpha) for k in range(d) if p + 1 + k > pending_max)
+        accepted = sum(alpha**i for i in range(1, d + 1))
+        step = self.step(1 + d)
+        step = (1 + d) * self.token_seconds if step is None else step
+        return p_lost * step * accepted / (1.0 + accepted)
 
 
 @dataclass(frozen=True)
@@ -140,6 +159,7 @@ class DraftCandidate:
     spare_planes: int  # planes the sequence holds besides the one the row reads
     n_pending: int  # replayed tokens before `last` in the row
     alpha: float  # the sequence's per-token acceptance estimate
+    pending_max: int | None = None  # the most replayed tokens with which the row may still draft (its n_max)
 
 
 @dataclass(frozen=True)
@@ -207,7 +227,8 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
         else:
             rest.append(i)
     # The rest replay or checkpoint together: the rebuild, like the longer step checkpoints cause, is paid once.
-    checkpoint_seconds = costs.checkpoint([(candidates[i].alpha, lengths[i], candidates[i].n_pending) for i in rest])
+    checkpoint_seconds = costs.checkpoint([(candidates[i].alpha, lengths[i], candidates[i].n_pending,
+                                            candidates[i].pending_max) for i in rest])  # fmt: skip
     rebuild_paid = "replay" in modes.values()
     replay = replay_tokens > 0 and (rebuild_paid or costs.rebuild_seconds < checkpoint_seconds)
     for i in sorted(rest):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -124,15 +126,34 @@ def test_checkpoint_costs_the_longer_step_its_replayed_tokens_cause():
     costs = RollbackCosts(token_seconds=0.5, rebuild_seconds=1.0, step_seconds=steps)
     assert (costs.step(1), costs.step(3), costs.step(5), costs.step(17)) == (1.0, 2.0, 5.0, None)
     # d = 3: 4 tokens, and up to 7 after a rejection: the next step is padded to 16, 3 seconds more.
-    assert costs.checkpoint([(0.5, 3, 0)]) == pytest.approx((1 - 0.5**3) * 3.0)
-    assert costs.checkpoint([(0.5, 3, 0), (0.5, 3, 0)]) == pytest.approx((1 - 0.5**6) * 3.0)  # paid once
-    assert costs.checkpoint([(1.0, 3, 0)]) == 0.0  # every draft accepted: nothing replayed
-    assert costs.checkpoint([(0.5, 5, 0)]) == 0.0  # 6 tokens and up to 11 fit the same 16
+    assert costs.checkpoint([(0.5, 3, 0, None)]) == pytest.approx((1 - 0.5**3) * 3.0)
+    assert costs.checkpoint([(0.5, 3, 0, None), (0.5, 3, 0, None)]) == pytest.approx((1 - 0.5**6) * 3.0)  # once
+    assert costs.checkpoint([(1.0, 3, 0, None)]) == 0.0  # every draft accepted: nothing replayed
+    assert costs.checkpoint([(0.5, 5, 0, None)]) == 0.0  # 6 tokens and up to 11 fit the same 16
     # Past the measured lengths: the expected replayed tokens at token_seconds.
-    assert costs.checkpoint([(0.5, 8, 0)]) == pytest.approx(expected_replay(0.5, 8, 0) * 0.5)
+    assert costs.checkpoint([(0.5, 8, 0, None)]) == pytest.approx(expected_replay(0.5, 8, 0) * 0.5)
     d = {c.seq_id: c for c in decide_drafts([cand("a", want=3, alpha=0.5)], token_budget=10, free_pages=10,
                                             free_planes=0, page_size=4, replay_tokens=3, costs=costs)}
     assert d["a"].mode == "replay"  # 2.6 seconds of checkpoint against 1 of rebuild
+
+
+def test_checkpoint_costs_the_draft_step_its_piled_up_replays_forbid():
+    steps = ((1, 1.0), (4, 2.0), (16, 5.0))
+    costs = RollbackCosts(token_seconds=0.5, rebuild_seconds=1.0, step_seconds=steps)
+    # d = 5 with n_max 5: every length fits 16, so only the lost draft step costs. With p = 0 a rejection leaves
+    # at most 5 replayed tokens (still drafts); with p = 3 keeping k >= 2 of 5 leaves 4 + k > 5 (no draft).
+    assert costs.checkpoint([(0.5, 5, 0, 5)]) == 0.0
+    accepted = sum(0.5**i for i in range(1, 6))
+    p_lost = sum(0.5**k * 0.5 for k in range(2, 5))
+    assert costs.checkpoint([(0.5, 5, 3, 5)]) == pytest.approx(p_lost * 5.0 * accepted / (1 + accepted))
+    assert costs.checkpoint([(0.5, 5, 3, None)]) == 0.0  # no limit on replayed tokens
+    # The auto rule then replays a row with replayed tokens piled up, and checkpoints a fresh one.
+    fresh, piled = cand("fresh", want=5, alpha=0.5), cand("piled", want=5, alpha=0.5, pending=3)
+    for c, mode in ((fresh, "checkpoint"), (piled, "replay")):
+        c = dataclasses.replace(c, pending_max=5)
+        d = decide_drafts([c], token_budget=10, free_pages=10, free_planes=0, page_size=4, replay_tokens=5,
+                          costs=dataclasses.replace(costs, rebuild_seconds=0.3))
+        assert d[0].mode == mode, c
 
 
 def test_manager_keeps_reserved_planes_for_admission():
