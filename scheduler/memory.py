@@ -25,8 +25,9 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
    step times (until measured: the expected replayed tokens at the target's per-token cost). Replayed tokens also
    pile up: a checkpoint row keeps its read plane until a step keeps all its drafts, so after a rejection it has
    p + 1 + k replayed tokens, and a row with more than its request's n_max of them may not draft. Checkpoint is
-   charged that lost draft step too, with the chance that p + 1 + k exceeds n_max: the accepted drafts it would
-   have yielded, at the measured step's time per token.
+   charged those forbidden draft steps too, at the rate a row that always checkpoints meets them (a Markov chain
+   over p: `forbidden_draft_rate`), each worth the accepted drafts it would have yielded at the measured step's
+   time per token.
    - rollback="checkpoint": checkpoint.
    - rollback="snapshot": snapshot; when the free planes do not cover d, the draft is shortened until they do
      (d = 0 always fits). These go first: they were promised.
@@ -41,6 +42,7 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -124,27 +126,61 @@ class RollbackCosts:
         then feeds up to p + 2d + 1 tokens instead of the 1 + d of a row that rolled back by a plane: the step
         is padded to a longer compiled length when that crosses one, once for all rows. So: the chance that some
         row replays, times the largest such lengthening. Without measured lengths: the expected replayed tokens
-        at token_seconds each. Plus, per row, the draft step lost when p + 1 + k exceeds pending_max (None: no
-        limit; see `lost_draft_seconds`)."""
-        lost = sum(self.lost_draft_seconds(alpha, d, p, pending_max) for alpha, d, p, pending_max in rows)
+        at token_seconds each. Plus, per row, the draft steps its replayed tokens forbid once they exceed
+        pending_max (None: no limit; see `lost_draft_seconds`)."""
+        lost = sum(self.lost_draft_seconds(alpha, d, pending_max) for alpha, d, _, pending_max in rows)
         jumps = [(self.step(p + 2 * d + 1), self.step(1 + d)) for _, d, p, _ in rows]
         if not rows or any(longer is None or shorter is None for longer, shorter in jumps):
             return lost + sum(expected_replay(alpha, d, p) for alpha, d, p, _ in rows) * self.token_seconds
         none_replays = math.prod(alpha**d for alpha, d, _, _ in rows)
         return lost + (1.0 - none_replays) * max(max(longer - shorter, 0.0) for longer, shorter in jumps)
 
-    def lost_draft_seconds(self, alpha: float, d: int, p: int, pending_max: int | None) -> float:
-        """Expected seconds a checkpoint row loses by not drafting next step: a row that keeps k < d drafts has
-        p + 1 + k replayed tokens next step, and more than pending_max of them forbid a draft. The step then yields
-        1 token instead of 1 + sum_{i=1..d} alpha^i, at about the same time, so it loses that share of a verify
-        step's time (the measured 1 + d token step; until measured, 1 + d tokens at token_seconds each)."""
-        if pending_max is None:
+    def lost_draft_seconds(self, alpha: float, d: int, pending_max: int | None) -> float:
+        """Expected seconds per step that checkpoint rollback loses to draft steps its replayed tokens forbid.
+
+        A checkpoint row keeps its read plane until a step keeps all d drafts; keeping k < d of them leaves
+        p + 1 + k replayed tokens, and more than pending_max of them forbid a draft: that step yields 1 token
+        instead of 1 + sum_{i=1..d} alpha^i, in about a verify step's time (the measured 1 + d token step; until
+        measured, 1 + d tokens at token_seconds each), and resets p to 0. The charge is per drafting step, at the
+        rate a row that always checkpoints loses such steps (`forbidden_draft_rate`), since one step's choice
+        leads to the next's replayed tokens. None: no limit."""
+        if pending_max is None or d == 0:
             return 0.0
-        p_lost = sum(alpha**k * (1.0 - alpha) for k in range(d) if p + 1 + k > pending_max)
         accepted = sum(alpha**i for i in range(1, d + 1))
         step = self.step(1 + d)
         step = (1 + d) * self.token_seconds if step is None else step
-        return p_lost * step * accepted / (1.0 + accepted)
+        return forbidden_draft_rate(round(alpha, 3), d, pending_max) * step * accepted / (1.0 + accepted)
+
+
+@functools.lru_cache(maxsize=4096)
+def forbidden_draft_rate(alpha: float, d: int, pending_max: int) -> float:
+    """Forbidden draft steps per drafting step of a row that always checkpoints, in the long run.
+
+    A Markov chain over p, the replayed tokens before `last` at a drafting step (0..pending_max): all d drafts kept
+    (alpha^d): p -> 0; k < d kept (alpha^k (1 - alpha)): p -> p + 1 + k, or, past pending_max, a step without
+    drafts and then p -> 0. Returns the stationary chance of the latter per drafting step.
+
+    With alpha = 0.5, d = 2 and pending_max = 2: from p = 0 a step leaves p = 0, 1 or 2 (1/4, 1/2, 1/4); from
+    p = 1 keeping a draft overflows (1/4); from p = 2 any rejection does (3/4). The chain spends 1/2, 1/4 and 1/4 of
+    its steps at p = 0, 1, 2, so 1/4 * 1/4 + 1/4 * 3/4 = 1/4 of drafting steps are followed by a forbidden one
+    (per episode from p = 0: visits 1, 1/2, 1/2, overflows 1/2):
+
+    >>> round(forbidden_draft_rate(0.5, 2, 2), 6)
+    0.25
+    """
+    # Each episode starts at p = 0 and ends at a full acceptance or an overflow; p only grows within it, so one
+    # pass in order of p gives each state's expected visits per episode.
+    keep = [alpha**k * (1.0 - alpha) for k in range(d)]
+    visits = [1.0] + [0.0] * pending_max
+    overflows = 0.0
+    for p in range(pending_max + 1):
+        for k, q in enumerate(keep):
+            if p + 1 + k <= pending_max:
+                visits[p + 1 + k] += visits[p] * q
+            else:
+                overflows += visits[p] * q
+    return overflows / sum(visits)
+
 
 
 @dataclass(frozen=True)

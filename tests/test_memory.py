@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.memory import (DraftCandidate, MemoryManager, PoolSizes, RollbackCosts, decide_drafts,
-                              expected_replay, pages_for, pool_sizes)
+                              expected_replay, forbidden_draft_rate, pages_for, pool_sizes)
 
 
 def cand(seq_id, want=4, preference="auto", kv_end=1, pages_owned=1, spare=1, pending=0, alpha=0.5):
@@ -137,23 +137,26 @@ def test_checkpoint_costs_the_longer_step_its_replayed_tokens_cause():
     assert d["a"].mode == "replay"  # 2.6 seconds of checkpoint against 1 of rebuild
 
 
-def test_checkpoint_costs_the_draft_step_its_piled_up_replays_forbid():
+def test_checkpoint_costs_the_draft_steps_its_piled_up_replays_forbid():
+    assert forbidden_draft_rate(0.5, 2, 2) == pytest.approx(0.25)  # worked through in its docstring
+    assert forbidden_draft_rate(1.0, 3, 3) == 0.0  # every draft kept: nothing piles up
+    assert forbidden_draft_rate(0.5, 2, 50) < 1e-4  # room for a long pile-up
+    assert forbidden_draft_rate(0.6, 6, 6) > forbidden_draft_rate(0.9, 6, 6) > 0.0
     steps = ((1, 1.0), (4, 2.0), (16, 5.0))
-    costs = RollbackCosts(token_seconds=0.5, rebuild_seconds=1.0, step_seconds=steps)
-    # d = 5 with n_max 5: every length fits 16, so only the lost draft step costs. With p = 0 a rejection leaves
-    # at most 5 replayed tokens (still drafts); with p = 3 keeping k >= 2 of 5 leaves 4 + k > 5 (no draft).
-    assert costs.checkpoint([(0.5, 5, 0, 5)]) == 0.0
+    costs = RollbackCosts(token_seconds=0.5, rebuild_seconds=0.3, step_seconds=steps)
+    # d = 5 with n_max 5: every length fits 16, so only the forbidden draft steps cost.
     accepted = sum(0.5**i for i in range(1, 6))
-    p_lost = sum(0.5**k * 0.5 for k in range(2, 5))
-    assert costs.checkpoint([(0.5, 5, 3, 5)]) == pytest.approx(p_lost * 5.0 * accepted / (1 + accepted))
-    assert costs.checkpoint([(0.5, 5, 3, None)]) == 0.0  # no limit on replayed tokens
-    # The auto rule then replays a row with replayed tokens piled up, and checkpoints a fresh one.
-    fresh, piled = cand("fresh", want=5, alpha=0.5), cand("piled", want=5, alpha=0.5, pending=3)
-    for c, mode in ((fresh, "checkpoint"), (piled, "replay")):
-        c = dataclasses.replace(c, pending_max=5)
+    lost = forbidden_draft_rate(0.5, 5, 5) * 5.0 * accepted / (1 + accepted)
+    assert costs.checkpoint([(0.5, 5, 0, 5)]) == pytest.approx(lost)
+    assert costs.checkpoint([(0.5, 5, 0, 5), (0.5, 5, 2, 5)]) == pytest.approx(2 * lost)  # per row
+    assert costs.checkpoint([(0.5, 5, 0, None)]) == 0.0  # no limit on replayed tokens
+    # So auto replays such a row (0.3 s of rebuild against about 0.63 s lost), and checkpoints it when drafts are
+    # nearly always kept.
+    for alpha, mode in ((0.5, "replay"), (0.999, "checkpoint")):
+        c = dataclasses.replace(cand("a", want=5, alpha=alpha), pending_max=5)
         d = decide_drafts([c], token_budget=10, free_pages=10, free_planes=0, page_size=4, replay_tokens=5,
-                          costs=dataclasses.replace(costs, rebuild_seconds=0.3))
-        assert d[0].mode == mode, c
+                          costs=costs)
+        assert d[0].mode == mode, alpha
 
 
 def test_manager_keeps_reserved_planes_for_admission():
