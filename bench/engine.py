@@ -11,7 +11,9 @@ One engine per (concurrency, budget) serves every cell of it: it compiles all it
 decoding (after one untimed batch) and each (alpha, d) `--repeats` times, every mode once per repeat in turn,
 starting with another each time (so that a slow spell on a shared machine falls on all modes alike), reporting the median with the range and the rollback steps each mode
 took. Every speculative run is checked against the plain run's tokens (the lossless invariant) before it is
-reported. `cells` compares, per (concurrency, budget, alpha, d), auto with the best forced mode. With
+reported. `cells` compares, per (concurrency, budget, alpha, d), auto with the best forced mode, by their medians
+and (`auto_vs_best_paired`) by the median of the ratios of runs from the same repeat, which cancels the slow drift
+of a shared machine. With
 `--per-sequence` each budget is per concurrent sequence (the engine gets it times the concurrency), so one budget
 means the same planes per sequence at every concurrency.
 """
@@ -69,7 +71,7 @@ def _cell(runs: list[dict]) -> dict:
     for r in runs:
         for mode, n in r.get("rollback_steps", {}).items():
             steps[mode] = steps.get(mode, 0) + n
-    return {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
+    return {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates), "rates": rates,
             "tokens_per_cpu_s": statistics.median(r["tokens_per_cpu_s"] for r in runs),
             "per_seq_tokens_per_s": statistics.median(r["per_seq_tokens_per_s"] for r in runs),
             "rollback_steps": steps}  # fmt: skip
@@ -90,9 +92,12 @@ def compare_auto(runs: list[dict], key: str = "tokens_per_s") -> list[dict]:
             continue
         best = max(forced, key=lambda m: forced[m][rate])
         auto = same["auto"][rate]
+        paired = None
+        if key == "tokens_per_s" and "rates" in same["auto"]:  # run i of every mode comes from the same repeat
+            paired = statistics.median(a / b for a, b in zip(same["auto"]["rates"], forced[best]["rates"]))
         cells.append({"concurrency": cell[0], "budget_mb": cell[1], "alpha": cell[2], "d": cell[3], "by": rate,
                       "auto": auto, "best_forced": best, "best_forced_rate": forced[best][rate],
-                      "auto_vs_best": auto / forced[best][rate],
+                      "auto_vs_best": auto / forced[best][rate], "auto_vs_best_paired": paired,
                       "auto_rollback_steps": same["auto"]["rollback_steps"], "not_rolled_back": idle})  # fmt: skip
     return cells
 
@@ -168,7 +173,8 @@ def run(args) -> dict:
     for c in out["cells"]:
         print(f"B={c['concurrency']:2d} {c['budget_mb']:g} MB alpha={c['alpha']} d={c['d']} ({c['by']}): auto "
               f"{c['auto']:.1f}, best forced {c['best_forced']} {c['best_forced_rate']:.1f}: "
-              f"{c['auto_vs_best']:.2f}x", flush=True)  # fmt: skip
+              f"{c['auto_vs_best']:.2f}x" + (f" (paired {c['auto_vs_best_paired']:.2f}x)" if c.get("auto_vs_best_paired")
+                                              else ""), flush=True)  # fmt: skip
     return out
 
 
