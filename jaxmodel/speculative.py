@@ -247,6 +247,13 @@ def _next_write_planes(planes: jax.Array, live: jax.Array) -> jax.Array:
     return jnp.take_along_axis(planes, order, axis=1)[:, :-1]
 
 
+def _live_after(write_pool: jax.Array, n_accepted: jax.Array, replay: jax.Array) -> jax.Array:
+    """The plane live after an iteration [B]: the one written after the a-th accepted draft of the row's write
+    pool [B, P] (snapshot), or its first, which the rebuild advanced (replay [B])."""
+    index = jnp.where(replay, 0, n_accepted)
+    return jnp.take_along_axis(write_pool, index[:, None], axis=1)[:, 0]
+
+
 def _stops(tokens: jax.Array, n_committed: jax.Array, stop_ids: jax.Array) -> jax.Array:
     """Whether a row's committed tokens [B, R] (the first n_committed [B]) hold an end-of-generation id."""
     committed = jnp.arange(tokens.shape[1])[None, :] < n_committed[:, None]
@@ -277,8 +284,7 @@ def speculative_step(
     K = max_iterations - 1
     n_committed = first.n_accepted + 1
     start = batch.positions[:, 0] + batch.n_tokens - verify_in.n_drafts + first.n_accepted  # the bonus's position
-    live_index = jnp.where(loop.replay, 0, first.n_accepted)  # a replay row's one write plane is live after the rebuild
-    live = jnp.take_along_axis(_next_write_planes(loop.planes, batch.read_plane), live_index[:, None], axis=1)[:, 0]
+    live = _live_after(_next_write_planes(loop.planes, batch.read_plane), first.n_accepted, loop.replay)
     active = (loop.loops & verify_in.commits & ~_stops(first.tokens, n_committed, loop.stop_ids)
               & (n_committed < loop.budget) & (start + loop.n_draft < loop.capacity))  # fmt: skip
     bonus = jnp.take_along_axis(first.tokens, first.n_accepted[:, None], axis=1)[:, 0]
@@ -313,8 +319,7 @@ def speculative_step(
         a = out.n_accepted
         record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
                             tokens=record.tokens.at[j - 1].set(out.tokens), n_drafts=record.n_drafts.at[j - 1].set(n_fed))
-        a_live = jnp.where(loop.replay, 0, a)
-        live = jnp.where(active, jnp.take_along_axis(write_pool, a_live[:, None], axis=1)[:, 0], live)
+        live = jnp.where(active, _live_after(write_pool, a, loop.replay), live)
         start = jnp.where(active, start + 1 + a, start)
         bonus = jnp.where(active, jnp.take_along_axis(out.tokens, a[:, None], axis=1)[:, 0], bonus)
         drafts = jnp.where(active[:, None], out.drafts[:, : W - 1], drafts)

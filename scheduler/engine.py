@@ -210,15 +210,15 @@ class Engine:
         """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
         (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
         the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
-        rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not reported: their
-        cost follows the chunk, not the drafts."""
+        rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
+        reported: their cost follows the chunk, not the drafts."""
         if not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
         n_iterations = 1 + max(len(r.more) for r in results)
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
-        # The rebuild runs in every iteration where a row replays (calls with replay rows are seldom others').
+        # Counted in every iteration of the call: a row that replays usually drafts in each of its iterations.
         replaying = [r.replay or (r.loop is not None and r.loop.replay) for r in rows]
         rebuild_seconds = (self.runtime.rebuild_cost(len(rows)) or 0.0) * n_iterations if any(replaying) else 0.0
         self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),

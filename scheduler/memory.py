@@ -47,7 +47,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from drafters.policy import Rollback
+from drafters.policy import Rollback, expected_accepted
 
 from .types import Mode, SeqId
 
@@ -146,7 +146,7 @@ class RollbackCosts:
         leads to the next's replayed tokens. None: no limit."""
         if pending_max is None or d == 0:
             return 0.0
-        accepted = sum(alpha**i for i in range(1, d + 1))
+        accepted = expected_accepted(alpha, d)
         step = self.step(1 + d)
         step = (1 + d) * self.token_seconds if step is None else step
         return forbidden_draft_rate(round(alpha, 3), d, pending_max) * step * accepted / (1.0 + accepted)
