@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import platform
 from dataclasses import asdict, dataclass
@@ -126,43 +127,46 @@ def time_steps(args, impl: str, final_only: bool, repeats: int, inner: int, rule
     return median_seconds(run, repeats) / inner
 
 
+def snapshot_cases(plan: Plan, key, batches, tokens):
+    """(batch, T, inputs, state bytes moved) of snapshot steps (every token's state written), one case at a time:
+    a caller that drops `inputs` before asking for the next case keeps one case's inputs alive, not two."""
+    for n_rows in batches:
+        for n_tokens in tokens:
+            args = make_inputs(key, plan.shapes, n_rows, n_tokens, False, plan.dtype)
+            yield n_rows, n_tokens, args, n_rows * (1 + n_tokens) * plan.shapes.state_bytes
+            del args
+
+
 def bench_decode(plan: Plan, key, copy_bytes_per_s: float) -> list[dict]:
     """Verify/decode steps: time, state bytes moved, achieved bandwidth and its share of a plain copy's, per
     (impl, batch, T)."""
     rows = []
-    for n_rows in plan.batches:
-        for n_tokens in plan.decode_tokens:
-            args = make_inputs(key, plan.shapes, n_rows, n_tokens, False, plan.dtype)
-            state_bytes = n_rows * (1 + n_tokens) * plan.shapes.state_bytes
-            for impl in plan.decode_impls:
-                seconds = time_steps(args, impl, False, plan.repeats, plan.inner)
-                share = state_bytes / seconds / copy_bytes_per_s
-                rows.append(dict(impl=impl, batch=n_rows, tokens=n_tokens, seconds=seconds, state_bytes=state_bytes,
-                                 state_gb_per_s=state_bytes / seconds / 1e9, share_of_copy=share))
-                print(f"decode  {impl:17s} B={n_rows:3d} T={n_tokens:2d}  {seconds * 1e6:9.1f} us  "
-                      f"{state_bytes / seconds / 1e9:8.1f} GB/s  {share:6.1%} of copy", flush=True)
-            del args
+    for n_rows, n_tokens, args, state_bytes in snapshot_cases(plan, key, plan.batches, plan.decode_tokens):
+        for impl in plan.decode_impls:
+            seconds = time_steps(args, impl, False, plan.repeats, plan.inner)
+            share = state_bytes / seconds / copy_bytes_per_s
+            rows.append(dict(impl=impl, batch=n_rows, tokens=n_tokens, seconds=seconds, state_bytes=state_bytes,
+                             state_gb_per_s=state_bytes / seconds / 1e9, share_of_copy=share))
+            print(f"decode  {impl:17s} B={n_rows:3d} T={n_tokens:2d}  {seconds * 1e6:9.1f} us  "
+                  f"{state_bytes / seconds / 1e9:8.1f} GB/s  {share:6.1%} of copy", flush=True)
+        del args
     return rows
 
 
 def bench_tune(plan: Plan, key, copy_bytes_per_s: float) -> list[dict]:
     """The recurrent kernel's launch parameters (Dv columns per program, warps per program) on snapshot steps."""
     rows = []
-    for n_rows in plan.tune_batches:
-        for n_tokens in plan.tune_tokens:
-            args = make_inputs(key, plan.shapes, n_rows, n_tokens, False, plan.dtype)
-            state_bytes = n_rows * (1 + n_tokens) * plan.shapes.state_bytes
-            for block_v in plan.tune_block_v:
-                for num_warps in plan.tune_warps:
-                    rule = functools.partial(gdn_recurrent, block_v=block_v, num_warps=num_warps,
-                                             interpret=jax.default_backend() != "gpu")
-                    seconds = time_steps(args, "pallas_recurrent", False, plan.repeats, plan.inner, rule=rule)
-                    share = state_bytes / seconds / copy_bytes_per_s
-                    rows.append(dict(batch=n_rows, tokens=n_tokens, block_v=block_v, num_warps=num_warps,
-                                     seconds=seconds, share_of_copy=share))
-                    print(f"tune    B={n_rows:3d} T={n_tokens:2d} block_v={block_v:3d} warps={num_warps}  "
-                          f"{seconds * 1e6:9.1f} us  {share:6.1%} of copy", flush=True)
-            del args
+    for n_rows, n_tokens, args, state_bytes in snapshot_cases(plan, key, plan.tune_batches, plan.tune_tokens):
+        for block_v, num_warps in itertools.product(plan.tune_block_v, plan.tune_warps):
+            rule = functools.partial(gdn_recurrent, block_v=block_v, num_warps=num_warps,
+                                     interpret=jax.default_backend() != "gpu")
+            seconds = time_steps(args, "pallas_recurrent", False, plan.repeats, plan.inner, rule=rule)
+            share = state_bytes / seconds / copy_bytes_per_s
+            rows.append(dict(batch=n_rows, tokens=n_tokens, block_v=block_v, num_warps=num_warps,
+                             seconds=seconds, share_of_copy=share))
+            print(f"tune    B={n_rows:3d} T={n_tokens:2d} block_v={block_v:3d} warps={num_warps}  "
+                  f"{seconds * 1e6:9.1f} us  {share:6.1%} of copy", flush=True)
+        del args
     return rows
 
 
