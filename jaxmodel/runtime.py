@@ -350,8 +350,8 @@ class Runtime:
         replay rebuild alone over every row and n_max drafts, writing nothing: what a step with replay rows adds
         (too little, at small shapes, to be told from a step's noise as a difference of two steps), and the verify
         steps of every compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before
-        `last` can lead to (what checkpoint rollback costs). The minimum of `repeats` runs each; call after `warmup` (these
-        shapes compile; the rebuild compiles here). Also keeps the chain, rebuild and step costs for `chain_cost`,
+        `last` can lead to (what checkpoint rollback costs). The minimum of `repeats` runs each; call after
+        `warmup` (these shapes compile; the rebuild compiles here). Also keeps the chain, rebuild and step costs for `chain_cost`,
         `rebuild_cost` and `step_costs`."""
         calibration = Calibration()
         if self.shapes is None:
@@ -386,10 +386,13 @@ class Runtime:
         self.step_seconds = {**calibration.step_seconds, **calibration.longer_step_seconds}
         return calibration
 
+    def _batch_bucket(self, n_rows: int) -> int:
+        """The batch size a step of n_rows rows is padded to, under which its calibrated costs are kept."""
+        return self.shapes.batch(n_rows) if self.shapes is not None else n_rows
+
     def chain_cost(self, n_rows: int) -> float:
         """Seconds one chained draft adds to a step of n_rows rows (0 before `calibrate`)."""
-        B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
-        return self.chain_seconds.get(B, 0.0)
+        return self.chain_seconds.get(self._batch_bucket(n_rows), 0.0)
 
     def _time_rebuild(self, B: int, repeats: int) -> float:
         """The minimum over `repeats` runs (after one that compiles) of the replay rebuild over B rows, every row
@@ -409,13 +412,12 @@ class Runtime:
     def step_costs(self, n_rows: int) -> tuple[tuple[int, float], ...]:
         """((tokens per row, seconds), ...) of the calibrated steps of n_rows rows, ascending (empty before
         `calibrate`)."""
-        B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
+        B = self._batch_bucket(n_rows)
         return tuple(sorted((T, seconds) for (b, T), seconds in self.step_seconds.items() if b == B))
 
     def rebuild_cost(self, n_rows: int) -> float | None:
         """Seconds the replay rebuild adds to a step of n_rows rows (None before `calibrate`)."""
-        B = self.shapes.batch(n_rows) if self.shapes is not None else n_rows
-        return self.rebuild_seconds.get(B)
+        return self.rebuild_seconds.get(self._batch_bucket(n_rows))
 
     def warmup_chain(self) -> Iterator[tuple[int, int]]:
         """Compile a draft model's chain and catch-up shapes, one (B, T) per iteration, as `warmup` does."""
