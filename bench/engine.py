@@ -9,13 +9,13 @@ plots.
 One engine per (concurrency, budget) serves every cell of it: it compiles all its step shapes first
 (`Engine.warmup`, which also calibrates the costs `auto` weighs), so no cell pays a compilation, then runs plain
 decoding (after one untimed batch) and each (alpha, d) `--repeats` times, every mode once per repeat in turn,
-starting with another each time (so that a slow spell on a shared machine falls on all modes alike), reporting the median with the range and the rollback steps each mode
-took. Every speculative run is checked against the plain run's tokens (the lossless invariant) before it is
-reported. `cells` compares, per (concurrency, budget, alpha, d), auto with the best forced mode, by their medians
-and (`auto_vs_best_paired`) by the median of the ratios of runs from the same repeat, which cancels the slow drift
-of a shared machine. With
-`--per-sequence` each budget is per concurrent sequence (the engine gets it times the concurrency), so one budget
-means the same planes per sequence at every concurrency.
+starting with another each time (so that a slow spell on a shared machine falls on all modes alike), reporting the
+median with the range and the rollback steps each mode took. Every speculative run is checked against the plain
+run's tokens (the lossless invariant) before it is reported. `cells` compares, per (concurrency, budget, alpha, d),
+auto with the best forced mode, by their medians and (`auto_vs_best_paired`) by the median of the ratios of runs
+from the same repeat, which cancels the slow drift of a shared machine. With `--per-sequence` each budget is per
+concurrent sequence (the engine gets it times the concurrency), so one budget means the same planes per sequence
+at every concurrency.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import itertools
 import os
 import statistics
 import time
+from collections import Counter
 
 import anyio
 import numpy as np
@@ -40,7 +41,7 @@ from bench import save_json
 async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:
     """All requests at once; returns tokens per request and timings."""
     results: dict[int, dict] = {}
-    rollback_steps: dict[str, int] = {}
+    rollback_steps: Counter[str] = Counter()
     drafted = 0
 
     async def one(i: int, request: GenerationRequest):
@@ -51,8 +52,7 @@ async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:
                 first = first or time.perf_counter()
                 tokens += event.token_ids
             elif isinstance(event, DoneEvent):
-                for mode, n in event.rollback_steps.items():
-                    rollback_steps[mode] = rollback_steps.get(mode, 0) + n
+                rollback_steps.update(event.rollback_steps)
                 drafted += sum(stats.drafted for stats in event.drafters.values())
         results[i] = {"tokens": tokens, "start": start, "first": first, "end": time.perf_counter()}
 
@@ -65,21 +65,20 @@ async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:
     per_seq = [len(r["tokens"]) / (r["end"] - r["start"]) for r in results.values()]
     return {"tokens": [results[i]["tokens"] for i in range(len(requests))], "wall_s": wall, "cpu_s": cpu,
             "tokens_per_s": total / wall, "tokens_per_cpu_s": total / cpu,
-            "per_seq_tokens_per_s": float(np.mean(per_seq)), "rollback_steps": rollback_steps,
+            "per_seq_tokens_per_s": float(np.mean(per_seq)), "rollback_steps": dict(rollback_steps),
             "drafted": drafted}  # fmt: skip
 
 
 def _cell(runs: list[dict]) -> dict:
     rates = [r["tokens_per_s"] for r in runs]
-    steps: dict[str, int] = {}
+    steps: Counter[str] = Counter()
     for r in runs:
-        for mode, n in r.get("rollback_steps", {}).items():
-            steps[mode] = steps.get(mode, 0) + n
-    drafted = sum(r.get("drafted", 0) for r in runs)
+        steps.update(r["rollback_steps"])
+    drafted = sum(r["drafted"] for r in runs)
     return {"tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates), "rates": rates,
             "tokens_per_cpu_s": statistics.median(r["tokens_per_cpu_s"] for r in runs),
             "per_seq_tokens_per_s": statistics.median(r["per_seq_tokens_per_s"] for r in runs),
-            "rollback_steps": steps, "drafts_per_step": drafted / max(sum(steps.values()), 1)}  # fmt: skip
+            "rollback_steps": dict(steps), "drafts_per_step": drafted / max(sum(steps.values()), 1)}  # fmt: skip
 
 
 def compare_auto(runs: list[dict], key: str = "tokens_per_s") -> list[dict]:
@@ -89,7 +88,7 @@ def compare_auto(runs: list[dict], key: str = "tokens_per_s") -> list[dict]:
     a free plane drafts nothing, so its figure is plain decoding's, not a rollback mode's. `shorter_drafts` names
     the forced modes that verified under 0.9x auto's drafts per step (forced snapshot shortens drafts to the free
     planes), which compares draft lengths as much as rollback modes."""
-    cells, rate = [], key
+    cells = []
     keys = sorted({(r["concurrency"], r["budget_mb"], r["alpha"], r["d"]) for r in runs if r["mode"] == "auto"})
     for cell in keys:
         same = {r["mode"]: r for r in runs if (r["concurrency"], r["budget_mb"], r["alpha"], r["d"]) == cell}
@@ -97,14 +96,14 @@ def compare_auto(runs: list[dict], key: str = "tokens_per_s") -> list[dict]:
         idle = sorted(m for m in same if m not in ("auto", "plain") and m not in forced)
         if not forced:
             continue
-        best = max(forced, key=lambda m: forced[m][rate])
-        auto = same["auto"][rate]
+        best = max(forced, key=lambda m: forced[m][key])
+        auto = same["auto"][key]
         paired = None
         if key == "tokens_per_s" and "rates" in same["auto"]:  # run i of every mode comes from the same repeat
             paired = statistics.median(a / b for a, b in zip(same["auto"]["rates"], forced[best]["rates"]))
-        cells.append({"concurrency": cell[0], "budget_mb": cell[1], "alpha": cell[2], "d": cell[3], "by": rate,
-                      "auto": auto, "best_forced": best, "best_forced_rate": forced[best][rate],
-                      "auto_vs_best": auto / forced[best][rate], "auto_vs_best_paired": paired,
+        cells.append({"concurrency": cell[0], "budget_mb": cell[1], "alpha": cell[2], "d": cell[3], "by": key,
+                      "auto": auto, "best_forced": best, "best_forced_rate": forced[best][key],
+                      "auto_vs_best": auto / forced[best][key], "auto_vs_best_paired": paired,
                       "auto_rollback_steps": same["auto"]["rollback_steps"], "not_rolled_back": idle,
                       "shorter_drafts": sorted(m for m, r in forced.items() if "drafts_per_step" in r and
                                                r["drafts_per_step"] < 0.9 * same["auto"]["drafts_per_step"])})  # fmt: skip
@@ -119,8 +118,7 @@ def run(args) -> dict:
     modes = args.modes.split(",")
     out = {"model": os.path.basename(args.model), "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens,
            "repeats": args.repeats, "chunk_size": args.chunk_size, "iterations": args.iterations,
-           "runs": []}  # fmt: skip
-    out["per_sequence"] = args.per_sequence
+           "per_sequence": args.per_sequence, "runs": []}  # fmt: skip
     for concurrency, budget_arg in itertools.product(map(int, args.concurrency.split(",")),
                                                      map(float, args.budgets_mb.split(","))):  # fmt: skip
         budget_mb = budget_arg * concurrency if args.per_sequence else budget_arg
