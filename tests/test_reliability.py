@@ -338,7 +338,9 @@ def test_shutdown_ends_running_and_arriving_requests_within_the_deadline(model, 
                                                "max_tokens": 48, "speculative": None}))  # fmt: skip
                 frames = [json.loads(await ws.recv())]
                 await ws.send(json.dumps({"type": "generate", "id": "long", "prompt": long_prompt}))
-                await anyio.sleep(0.05)
+                with anyio.fail_after(10):  # shutdown must find the long prompt taken in (it is then tokenizing)
+                    while not any("long" in client.requests for client in server.clients):
+                        await anyio.sleep(0.005)
                 start = time.perf_counter()
                 shutdown.set()
                 await anyio.sleep(0.05)
