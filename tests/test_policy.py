@@ -274,7 +274,27 @@ def test_deterministic_and_released():
     assert policy.acceptance(0, "b") > policy.acceptance(0, "a")
     policy.release(0)
     assert 0 not in policy.sequences
-    assert policy.acceptance(0, "b") == policy.acceptance(0, "a") == PolicyParams().prior_acceptance
+    # a new sequence starts from the record the released one left, not from its own last estimate
+    assert policy.acceptance(0, "b") > policy.acceptance(0, "a")
+    assert DrafterPolicy().acceptance(0, "b") == PolicyParams().prior_acceptance
+
+
+@pytest.mark.parametrize("earlier_accepted", [3, 0])
+def test_new_sequences_start_from_what_earlier_sequences_showed(earlier_accepted):
+    """Short requests plan too few steps to earn trust on their own: the first step of a new sequence drafts when
+    earlier sequences' drafts were accepted and does not when they were rejected, where the prior alone decides
+    the other way."""
+    config = SpeculativeConfig(("mtp",), n_max=3)
+    per_token = 0.012 if earlier_accepted else 0.0  # at the prior, drafting pays only when verified tokens are free
+    policy = DrafterPolicy()
+    for n in (1, 4) * 20:
+        policy.record_target(0.010 + per_token * n, n)
+    policy.record_proposal("mtp", 0.0 if earlier_accepted else 0.006, 3)
+    assert bool(policy.plan("fresh", config)) != bool(earlier_accepted)  # the prior alone
+    for _ in range(12):
+        policy.observe("earlier", "mtp", 3, earlier_accepted)
+    policy.release("earlier")
+    assert bool(policy.plan("new", config)) == bool(earlier_accepted)
 
 
 def test_planned_length_readies_drafts_only_for_the_main_choice_or_a_coming_probe():
