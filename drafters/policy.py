@@ -29,6 +29,14 @@ only (a prompt chunk's cost says little about a draft's), and the draft chain th
 step as that drafter's proposal cost, from the chain's calibrated cost per draft. Sequences batched together share a step: with B of
 them each is charged fixed / B (for alike sequences, the per-sequence optimum is then the batch's optimum).
 
+Calls of one iteration. The engine runs several iterations per device call while the host has nothing to decide,
+so a call's fixed cost (dispatch, read-back) is spread over its iterations; a draft proposed on the host
+(`host_drafters`, the n-gram lookup) needs the host between iterations, so its steps run one iteration per call.
+Calls of one iteration are fitted on a line of their own (`Costs.single`), which prices host drafters; no drafting
+and the drafters that chain on device are priced per iteration of looping calls. Measured on an H100: 0.6 ms per
+iteration of a looping call against 2.5-2.8 ms for a call of one; on one shared line the n-gram drafter was chosen
+at 0.82x plain, and its calls, read as a cost per verified token, kept MTP from drafting at 16 streams.
+
 Value. A draft of length d with per-token acceptance alpha yields E[accepted] = (1 - alpha^(d+1)) / (1 - alpha) - 1
 drafts plus the target's own token, so the expected tokens per unit of cost are
 
@@ -127,6 +135,8 @@ class PolicyParams:
     target_calibrated: tuple[float, float] | None = None  # (fixed, per_token) seconds of warm one-row steps
     pool_decay: float = 0.98  # per observation, of the engine-wide record a new sequence starts from
     pool_weight: float = 8.0  # token trials of that record a new sequence starts with, at most
+    loops: bool = False  # the engine runs several iterations per call where the host has nothing to decide
+    host_drafters: frozenset[str] = frozenset()  # drafters that propose on the host: one iteration per call
 
 
 @dataclass(frozen=True)
@@ -197,8 +207,9 @@ class LinearCost:
 class Costs:
     """The measured cost lines: the target's step and each drafter's proposal."""
 
-    target: LinearCost = LinearCost()
+    target: LinearCost = LinearCost()  # per iteration of calls that ran several (all calls, where none loop)
     proposals: Mapping[str, LinearCost] = field(default_factory=dict)
+    single: LinearCost = LinearCost()  # calls of one iteration
 
 
 def best_length(
@@ -302,14 +313,20 @@ def pooled_start(pooled: Mapping[str, DrafterStats], params: PolicyParams) -> di
     return start
 
 
-def _target_line(costs: Costs, params: PolicyParams, batch_size: int) -> tuple[float, float]:
-    """The target step's (fixed, per_token) cost line, the fixed part shared by batch_size sequences."""
+def _target_line(costs: Costs, params: PolicyParams, batch_size: int, drafter: str | None = None
+                 ) -> tuple[float, float]:
+    """The (fixed, per_token) cost line of a target step drafted by `drafter` (None: not drafting), the fixed part
+    shared by batch_size sequences: the one-iteration line for host drafters (or where no call loops) once it has a
+    measurement, else the per-iteration line of looping calls."""
+    line = costs.target
+    if (drafter in params.host_drafters or not params.loops) and costs.single.w > 0.0:
+        line = costs.single
     if params.target_calibrated is not None:
-        step_fixed, per_token = costs.target.coefficients(
+        step_fixed, per_token = line.coefficients(
             params.cost_ridge, 0.0, default=params.target_calibrated, slope_seconds=params.target_calibrated[1]
         )
     else:
-        step_fixed, per_token = costs.target.coefficients(
+        step_fixed, per_token = line.coefficients(
             params.cost_ridge, params.target_token_prior, default=(1.0, params.target_token_prior)
         )
     return step_fixed / max(batch_size, 1), per_token
@@ -333,7 +350,7 @@ def planned_length(state: SequenceState, drafter: str, config: SpeculativeConfig
     if state.main not in (drafter, _UNSET) and state.step + 1 + params.probe_soon - stats.tried_at < interval:
         return 0
     alpha = max(acceptance(stats, params), params.prior_acceptance)
-    return _best_option(drafter, alpha, config, costs, params, _target_line(costs, params, batch_size))[0]
+    return _best_option(drafter, alpha, config, costs, params, _target_line(costs, params, batch_size, drafter))[0]
 
 
 def plan_step(
@@ -349,7 +366,7 @@ def plan_step(
     no_draft_value = 1.0 / (target[0] + target[1])
 
     def options(name: str, alpha: float) -> tuple[int, float]:
-        return _best_option(name, alpha, config, costs, params, target)
+        return _best_option(name, alpha, config, costs, params, _target_line(costs, params, batch_size, name))
 
     planned = {name: options(name, acceptance(stats[name], params)) for name in config.drafters}  # (length, value)
     judged: dict[str | None, float] = {
@@ -406,10 +423,15 @@ class DrafterPolicy:
         state = self.sequences.get(seq_id)
         return state if state is not None else SequenceState(stats=pooled_start(self.pooled, self.params))
 
-    def record_target(self, seconds: float, n_tokens: int) -> None:
-        """A target step of `n_tokens` tokens in all (each sequence's 1 + drafts, plus prompt chunks) took `seconds`."""
-        target = self.costs.target.observed(n_tokens, seconds, self.params.cost_decay)
-        self.costs = replace(self.costs, target=target)
+    def record_target(self, seconds: float, n_tokens: int, iterations: int = 1) -> None:
+        """A device call of `iterations` target steps took `seconds` per step; its first step had `n_tokens` tokens in
+        all (each sequence's 1 + drafts, plus prompt chunks). Calls of one iteration go on the one-iteration line
+        (`Costs.single`), and on the shared line too where no call loops."""
+        decay = self.params.cost_decay
+        if iterations > 1 or not self.params.loops:
+            self.costs = replace(self.costs, target=self.costs.target.observed(n_tokens, seconds, decay))
+        if iterations == 1:
+            self.costs = replace(self.costs, single=self.costs.single.observed(n_tokens, seconds, decay))
 
     def calibrate(self, steps: Mapping[tuple[int, int], float]) -> None:
         """Start from warm steps timed before serving, {(rows, tokens per row): seconds}. The one-row steps give

@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -133,6 +133,8 @@ class Engine:
         drafters = standard_drafters(model, draft_model, max_seqs=max_running, max_context=max_model_len,
                                      n_max=n_max, page_size=page_size)  # fmt: skip
         self.drafters: dict[str, Drafter] = {d.name: d for d in [*drafters, *extra_drafters]}
+        host_drafters = frozenset(name for name, d in self.drafters.items() if d.device_chain(None, 0) < 0)
+        self.policy.params = replace(self.policy.params, loops=iterations > 1, host_drafters=host_drafters)
         self.n_max = n_max
         self.background_warmup = background_warmup
         self.adaptive = adaptive
@@ -222,7 +224,7 @@ class Engine:
         replaying = [r.replay or (r.loop is not None and r.loop.replay) for r in rows]
         rebuild_seconds = (self.runtime.rebuild_cost(len(rows)) or 0.0) * n_iterations if any(replaying) else 0.0
         self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),
-                                  plan.n_tokens)  # fmt: skip
+                                  plan.n_tokens, n_iterations)  # fmt: skip
         n_chained = sum(n for _, n in chaining)
         for row, n_chain in chaining:
             name = self._device_drafter(row)
