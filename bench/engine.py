@@ -133,9 +133,14 @@ def run(args) -> dict:
         start = time.perf_counter()
         n_shapes = engine.warmup()
         sizes = engine.memory.sizes
+        calibrated = {"concurrency": concurrency, "budget_mb": budget_mb,
+                      "plane_write_seconds": engine.runtime.plane_write_seconds,
+                      "rebuild_seconds": engine.runtime.rebuild_cost(concurrency),
+                      "step_seconds": engine.runtime.step_costs(concurrency)}  # what auto weighs
+        out.setdefault("calibrated", []).append(calibrated)
         print(f"B={concurrency:2d} budget {budget_mb:g} MB: {n_shapes} shapes compiled in "
               f"{time.perf_counter() - start:.0f} s; {sizes.n_planes - 1} planes, {sizes.n_pages - 1} pages, "
-              f"replay pool {sizes.replay_tokens} tokens per row", flush=True)  # fmt: skip
+              f"replay pool {sizes.replay_tokens} tokens per row; calibrated {calibrated}", flush=True)  # fmt: skip
 
         async def cells():
             async with engine:

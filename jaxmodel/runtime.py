@@ -94,6 +94,7 @@ class Calibration:
     rebuild_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what the replay rebuild adds to a step
     # (rows, tokens per row) -> the longer verify steps that replayed tokens (checkpoint rollback) lead to
     longer_step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    plane_write_seconds: float | None = None  # what writing one more GDN state into a plane adds to a step
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ class Runtime:
         self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
         self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds the replay rebuild adds to a step
         self.step_seconds: dict[tuple[int, int], float] = {}  # (batch bucket, tokens per row) -> a verify step
+        self.plane_write_seconds: float | None = None  # one GDN state written into a plane (see calibrate)
 
     @property
     def replay_tokens(self) -> int:
@@ -342,7 +344,7 @@ class Runtime:
             jax.block_until_ready(out.tokens)
             yield B, T
 
-    def calibrate(self, repeats: int = 5) -> Calibration:
+    def calibrate(self, repeats: int = 5, spare_planes: Sequence[int] = ()) -> Calibration:
         """Time warm steps of every batch bucket B on rows that feed the trash page from the null plane and write
         nothing else: a decoding step (T = 1), a verify step of 1 + n_chain_max tokens, (with MTP drafting) the
         same verify step chaining n_chain_max drafts on device, whose extra time over n_chain_max is what one
@@ -350,18 +352,22 @@ class Runtime:
         replay rebuild alone over every row and n_max drafts, writing nothing: what a step with replay rows adds
         (too little, at small shapes, to be told from a step's noise as a difference of two steps), and the verify
         steps of every compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before
-        `last` can lead to (what checkpoint rollback costs). The minimum of `repeats` runs each; call after
-        `warmup` (these shapes compile; the rebuild compiles here). Also keeps the chain, rebuild and step costs for `chain_cost`,
-        `rebuild_cost` and `step_costs`."""
+        `last` can lead to (what checkpoint rollback costs). With `spare_planes` (planes no sequence holds, which
+        it overwrites), also the one-row verify step writing the state after each of its tokens into them, whose
+        extra time per plane is what snapshot rollback's writes cost (`plane_write_seconds`). The minimum of
+        `repeats` runs each; call after `warmup` (these shapes compile; the rebuild compiles here). Also keeps the
+        chain, rebuild, step and write costs for `chain_cost`, `rebuild_cost`, `step_costs` and
+        `plane_write_seconds`."""
         calibration = Calibration()
         if self.shapes is None:
             return calibration
         n = max(self.n_chain_max, 1)
         T_verify = self.shapes.tokens(1 + n)
 
-        def best(B: int, T: int, n_chain: int) -> float:
+        def best(B: int, T: int, n_chain: int, write_planes: Sequence[int] = ()) -> float:
             n_drafts = min(T - 1, self.shapes.logit_rows(T, False) - 1)  # any tokens before them are replayed ones
-            rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, [-1] * T, range(T - 1 - n_drafts, T)),
+            writes = list(write_planes) + [-1] * (T - len(write_planes))
+            rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, writes, range(T - 1 - n_drafts, T)),
                             drafts=[1] * n_drafts, n_chain=n_chain) for _ in range(B)]  # fmt: skip
             seconds = float("inf")
             for _ in range(repeats):
@@ -381,9 +387,14 @@ class Runtime:
                 lengths = {self.shapes.tokens(k) for k in range(1 + self.replay_tokens, 3 * self.replay_tokens + 2)}
                 for T in sorted(lengths - {T for b, T in calibration.step_seconds if b == B}):
                     calibration.longer_step_seconds[B, T] = best(B, T, -1)
+        written = list(spare_planes)[:T_verify]
+        if written:
+            without, with_writes = best(1, T_verify, -1), best(1, T_verify, -1, written)  # side by side: less drift
+            calibration.plane_write_seconds = max(with_writes - without, 0.0) / len(written)
         self.chain_seconds = dict(calibration.chain_seconds)
         self.rebuild_seconds = dict(calibration.rebuild_seconds)
         self.step_seconds = {**calibration.step_seconds, **calibration.longer_step_seconds}
+        self.plane_write_seconds = calibration.plane_write_seconds
         return calibration
 
     def _batch_bucket(self, n_rows: int) -> int:

@@ -197,16 +197,18 @@ class Engine:
         return events
 
     def _rollback_costs(self) -> RollbackCosts:
-        """What replay and checkpoint cost now, for the memory rule's choice of rollback mode: the rebuild's and the
-        verify steps' calibrated costs at this many rows, and the policy's measured per-token cost of a target
-        step (what replayed tokens cost until calibrated; the rebuild then costs as much as one of them)."""
+        """What each rollback mode costs now, for the memory rule's choice: the rebuild's and the verify steps'
+        calibrated costs at this many rows, snapshot's calibrated cost per state written, and the policy's measured
+        per-token cost of a target step (what replayed tokens cost until calibrated; the rebuild then costs as much
+        as one of them)."""
         params = self.policy.params
         _, per_token = self.policy.costs.target.coefficients(params.cost_ridge, params.target_token_prior,
                                                              default=(1.0, params.target_token_prior))  # fmt: skip
         n_rows = max(self.scheduler.n_running, 1)
         rebuild = self.runtime.rebuild_cost(n_rows)
         return RollbackCosts(token_seconds=per_token, rebuild_seconds=per_token if rebuild is None else rebuild,
-                             step_seconds=self.runtime.step_costs(n_rows))
+                             step_seconds=self.runtime.step_costs(n_rows),
+                             plane_write_seconds=self.runtime.plane_write_seconds or 0.0)
 
     def _record_costs(self, plan: StepPlan, rows: list[StepRow], results, seconds: float) -> None:
         """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
@@ -332,7 +334,14 @@ class Engine:
             yield from drafter.warmup()
 
     def _calibrate(self) -> None:
-        self.policy.calibrate(self.runtime.calibrate().step_seconds)
+        """Time the runtime's steps (only while no step runs), lending it free planes to time snapshot's state
+        writes in."""
+        spare = self.memory.take_planes(min(self.memory.free_planes, 1 + self.n_max))
+        try:
+            calibration = self.runtime.calibrate(spare_planes=spare)
+        finally:
+            self.memory.give_planes(spare)
+        self.policy.calibrate(calibration.step_seconds)
 
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():

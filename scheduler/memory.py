@@ -13,8 +13,9 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
    pages plus the free pages); budget and pages are consumed in priority order. What it asks is the drafter
    policy's plan, made before memory is granted: the policy's draft decision comes first.
 2. Mode: the cheapest that fits. Snapshot needs d + 1 planes to write besides the one it reads, i.e.
-   `d + 1 - spare` extra planes, and costs no time beyond writing states the forward computes anyway. Replay and
-   checkpoint need no plane beyond the two a sequence holds. Replay costs the rebuild, measured per step
+   `d + 1 - spare` extra planes, and costs writing d more GDN states than the other modes do
+   (`RollbackCosts.plane_write_seconds`, timed at calibration in planes the engine lends while idle; at the 0.8B
+   shape a state is 19.3 MB). Replay and checkpoint need no plane beyond the two a sequence holds. Replay costs the rebuild, measured per step
    (`RollbackCosts.rebuild_seconds`): the device applies the accepted drafts to the state after `last` again, for
    every row of the step at once, so a step pays it once however many rows replay. Checkpoint costs the tokens it
    replays next step: with per-token acceptance alpha (the policy's estimate), d drafts and p replayed tokens
@@ -32,10 +33,12 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
    - rollback="snapshot": snapshot; when the free planes do not cover d, the draft is shortened until they do
      (d = 0 always fits). These go first: they were promised.
    - rollback="replay": replay, the draft cut to the replay pool's tokens.
-   - rollback="auto": snapshot for the sequences where it saves the most expected replayed tokens per extra
-     plane, while planes remain (the cheapest mode, where it fits). The rest replay when the step's rebuild costs
+   - rollback="auto": the sequences that may snapshot are ranked by the expected replayed tokens snapshot saves
+     per extra plane, and taken in that order while planes remain. The rest replay when the step's rebuild costs
      less than what their checkpoints would together cost next step, or is paid anyway (a forced replay row in
-     the step), and checkpoint otherwise. Without a replay pool the rest checkpoint.
+     the step), and checkpoint otherwise (without a replay pool they checkpoint). Of the ranked sequences,
+     snapshot goes to the leading ones for which its writes plus the rest's mode cost least (all of them when
+     writes are free: snapshot is then the cheapest mode where it fits).
    `reserve_planes` is kept free for the admission of waiting requests, so borrowed planes never keep a new
    request queued.
 """
@@ -109,11 +112,26 @@ class RollbackCosts:
         (steps are padded to these lengths, so a step costs the smallest one that holds its longest row). What a
         checkpoint's replayed tokens cost is the longer next step they cause. Empty: not measured.
     token_seconds: a token fed to the target, for replayed tokens where step_seconds does not tell.
+    plane_write_seconds: a GDN state written into a plane; a snapshot row writes d more of them than a row in the
+        other modes (0: not measured, or free).
     """
 
     token_seconds: float = 1.0
     rebuild_seconds: float = 1.0
     step_seconds: tuple[tuple[int, float], ...] = ()
+    plane_write_seconds: float = 0.0
+
+    def rest(self, rows: Sequence[tuple[float, int, int, int | None]], replay_tokens: int, rebuild_paid: bool
+             ) -> tuple[Mode | None, float]:
+        """The mode rows of (alpha, d, p, pending_max) that do not snapshot take together, and its expected
+        seconds: replay when the step's rebuild costs less than their checkpoints would (or is paid anyway by a
+        forced replay row), else checkpoint; replay needs a replay pool (replay_tokens > 0)."""
+        if not rows:
+            return None, 0.0
+        checkpoint = self.checkpoint(rows)
+        if replay_tokens > 0 and (rebuild_paid or self.rebuild_seconds < checkpoint):
+            return "replay", 0.0 if rebuild_paid else self.rebuild_seconds
+        return "checkpoint", checkpoint
 
     def step(self, n_tokens: int) -> float | None:
         """Seconds of a step whose longest row feeds n_tokens tokens (None: no measured length holds it)."""
@@ -253,26 +271,36 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
         extra = extra_planes(c, d)
         return float("inf") if extra == 0 else expected_replay(c.alpha, d, c.n_pending) / extra
 
+    def row(i: int) -> tuple[float, int, int, int | None]:
+        return candidates[i].alpha, lengths[i], candidates[i].n_pending, candidates[i].pending_max
+
     auto = [i for i, c in enumerate(candidates) if c.preference == "auto" and lengths[i] > 0]
-    rest = []
+    fits = []  # the auto rows that may snapshot, best saving first, while planes remain
     for i in sorted(auto, key=lambda i: (-saving_per_plane(i), i)):
         extra = extra_planes(candidates[i], lengths[i])
         if extra <= free_planes:
-            modes[i] = "snapshot"
+            fits.append(i)
             free_planes -= extra
-        else:
-            rest.append(i)
-    # The rest replay or checkpoint together: the rebuild, like the longer step checkpoints cause, is paid once.
-    checkpoint_seconds = costs.checkpoint([(candidates[i].alpha, lengths[i], candidates[i].n_pending,
-                                            candidates[i].pending_max) for i in rest])  # fmt: skip
+    # The rest replay or checkpoint together: the rebuild, like the longer step checkpoints cause, is paid once. So
+    # snapshot goes to the prefix of `fits` for which its writes plus the rest's mode cost least (the longest on ties).
     rebuild_paid = "replay" in modes.values()
-    replay = replay_tokens > 0 and (rebuild_paid or costs.rebuild_seconds < checkpoint_seconds)
-    for i in sorted(rest):
-        if replay:
+
+    def cost(n_snapshot: int) -> float:
+        writes = sum(lengths[i] for i in fits[:n_snapshot]) * costs.plane_write_seconds
+        rest = [row(i) for i in auto if i not in fits[:n_snapshot]]
+        return writes + costs.rest(rest, replay_tokens, rebuild_paid)[1]
+
+    n_snapshot = min(range(len(fits), -1, -1), key=cost)
+    for i in fits[:n_snapshot]:
+        modes[i] = "snapshot"
+    rest = sorted(i for i in auto if i not in fits[:n_snapshot])
+    mode, _ = costs.rest([row(i) for i in rest], replay_tokens, rebuild_paid)
+    for i in rest:
+        if mode == "replay":
             d = min(lengths[i], replay_tokens)
             free_pages += new_pages(candidates[i], lengths[i]) - new_pages(candidates[i], d)
             lengths[i] = d
-        modes[i] = "replay" if replay else "checkpoint"
+        modes[i] = mode
 
     out = []
     for i, c in enumerate(candidates):

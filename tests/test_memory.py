@@ -121,6 +121,25 @@ def test_auto_falls_back_to_replay_when_the_rebuild_costs_less_than_the_replayed
     assert (out["half"].mode, out["sure"].mode) == ("snapshot", "replay")
 
 
+def test_auto_weighs_the_states_snapshot_writes():
+    """A snapshot row writes d more GDN states than a row in the other modes: auto snapshots only the rows whose
+    writes cost less than what rolling them back otherwise would, however many planes are free."""
+
+    def modes(write_seconds, replay_tokens=0, rebuild=1.0):
+        costs = RollbackCosts(token_seconds=1.0, rebuild_seconds=rebuild, plane_write_seconds=write_seconds)
+        out = decide_drafts([cand("sure", alpha=0.99), cand("half", alpha=0.5)], token_budget=100, free_pages=100,
+                            free_planes=100, page_size=4, replay_tokens=replay_tokens, costs=costs)  # fmt: skip
+        return {d.seq_id: (d.mode, d.new_planes) for d in out}
+
+    # Checkpoint replays 1.625 tokens at alpha 0.5 and 0.098 at 0.99 (1 s each); snapshot writes 4 states.
+    assert modes(0.0) == {"sure": ("snapshot", 4), "half": ("snapshot", 4)}
+    assert modes(0.3) == {"sure": ("checkpoint", 0), "half": ("snapshot", 4)}  # 1.2 s < 1.625 s, > 0.098 s
+    assert modes(0.5) == {"sure": ("checkpoint", 0), "half": ("checkpoint", 0)}
+    # With a replay pool the rest pay one rebuild for all of them, or checkpoint where that costs less.
+    assert modes(0.3, replay_tokens=4, rebuild=0.5) == {"sure": ("replay", 0), "half": ("replay", 0)}
+    assert modes(0.2, replay_tokens=4, rebuild=1.0) == {"sure": ("checkpoint", 0), "half": ("snapshot", 4)}
+
+
 def test_checkpoint_costs_the_longer_step_its_replayed_tokens_cause():
     steps = ((1, 1.0), (4, 2.0), (16, 5.0))  # a step padded to 1, 4 or 16 tokens per row
     costs = RollbackCosts(token_seconds=0.5, rebuild_seconds=1.0, step_seconds=steps)

@@ -81,15 +81,17 @@ def test_draft_model_vocabulary_is_checked(tmp_path):
 
 def test_calibration_times_steps_without_touching_sequences(target):
     """`Runtime.calibrate` times a decoding step, a verify step and the same verify step chaining MTP drafts, on
-    rows that read the null plane and write only the trash page, and the replay rebuild alone, writing nothing:
-    every plane and every other page is unchanged."""
+    rows that read the null plane and write only the trash page, the replay rebuild alone, writing nothing, and
+    the verify step writing its states into the spare planes it is lent: every other plane and every other page is
+    unchanged."""
     runtime = Runtime(target, n_pages=3, n_planes=3, n_chain_max=3, replay_tokens=3,
                       shapes=Shapes(max_rows=1, max_tokens=4, max_logit_rows=4, pages_per_row=2))  # fmt: skip
     rng = np.random.default_rng(6)
     tokens = [int(t) for t in rng.integers(0, 509, 4)]
     runtime.step([StepRow(Row(tokens, 0, [1, 2], 0, [-1] * 3 + [1], [3]), n_chain=0)])  # a sequence's state
     before = jax.tree.map(np.array, runtime.state)
-    calibration = runtime.calibrate(repeats=2)
+    calibration = runtime.calibrate(repeats=2, spare_planes=[2])
+    assert runtime.plane_write_seconds == calibration.plane_write_seconds >= 0
     assert set(calibration.step_seconds) == {(1, 1), (1, 4)} and all(s > 0 for s in calibration.step_seconds.values())
     assert set(calibration.chain_seconds) == {1} and runtime.chain_cost(1) == calibration.chain_seconds[1] >= 0
     assert set(calibration.rebuild_seconds) == {1} and runtime.rebuild_cost(1) == calibration.rebuild_seconds[1] >= 0
@@ -98,4 +100,5 @@ def test_calibration_times_steps_without_touching_sequences(target):
         np.testing.assert_array_equal(pool_before[1:], pool_after[1:])  # page 0 is the trash page
     for pool_before, pool_after in zip(before.conv + before.ssm + (before.hidden,),
                                        after.conv + after.ssm + (after.hidden,)):  # fmt: skip
-        np.testing.assert_array_equal(pool_before, pool_after)
+        np.testing.assert_array_equal(pool_before[:2], pool_after[:2])  # plane 2 was lent
+    assert not np.array_equal(before.ssm[0][2], after.ssm[0][2])  # the timed writes happened
