@@ -101,11 +101,14 @@ class Calibration:
 class Shapes:
     """Which padded shapes a runtime compiles, kept few because each is a compile.
 
-    Rows and tokens per row are bucketed by powers of 4 (on CPU a matmul of 2 rows costs about what 4 do); every
-    row has the page table of a full-length sequence, so the page count adds no shapes (attention's cost follows
-    the live context, not the table's width). Logits come for every row of a short step (T <= 16: verification
-    wants them all), and for long steps (prompt chunks) either for one row (a prefill-only step, which also takes
-    the chunked GDN form) or for as many as a draft can need (prompt chunks batched with decoding sequences).
+    Rows are bucketed by powers of 4 (on CPU a matmul of 2 rows costs about what 4 do), and so are tokens per
+    row, with 8 added between 4 and 16: verify steps of 4..7 drafts (5..8 tokens) would otherwise pad to 16 (the
+    0.8B-shape model on CPU at batch 1: 5 tokens 314 ms, 8 tokens 302 ms, 16 tokens 473 ms; bench/results/
+    step-cpu-verify-lengths.json). Every row has the page table of a full-length sequence, so the page count adds
+    no shapes (attention's cost follows the live context, not the table's width). Logits come for every row of a
+    short step (T <= 16: verification wants them all), and for long steps (prompt chunks) either for one row (a
+    prefill-only step, which also takes the chunked GDN form) or for as many as a draft can need (prompt chunks
+    batched with decoding sequences).
     """
 
     max_rows: int  # sequences per step
@@ -117,7 +120,8 @@ class Shapes:
         return min(bucket(n_rows, base=4), bucket(self.max_rows, base=4))
 
     def tokens(self, n_tokens: int) -> int:
-        return min(bucket(n_tokens, base=4), self.max_tokens)
+        """The compiled length of a row of n_tokens tokens: 1, 4, 8, 16, 64, 256, ... capped at max_tokens."""
+        return min(8 if 4 < n_tokens <= 8 else bucket(n_tokens, base=4), self.max_tokens)
 
     def is_long(self, T: int) -> bool:
         return T >= CPU_CHUNKED_MIN_TOKENS

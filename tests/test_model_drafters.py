@@ -79,6 +79,16 @@ def test_draft_model_vocabulary_is_checked(tmp_path):
         check_same_vocab(str(DATA / "tiny-qwen35-mtp.gguf"), str(DATA / "tiny-qwen35moe.gguf"))
 
 
+def test_rows_are_padded_to_1_4_8_16_tokens_then_powers_of_4():
+    """Short steps compile at 1, 4, 8 and 16 tokens per row (8 for verify steps of 4..7 drafts, which 16 would make
+    a third slower), prompt chunks at 64, 256, ...; every length is capped at max_tokens."""
+    shapes = Shapes(max_rows=2, max_tokens=80, max_logit_rows=7, pages_per_row=2)
+    assert [shapes.tokens(n) for n in range(1, 18)] == [1] + [4] * 3 + [8] * 4 + [16] * 8 + [64]
+    assert shapes.tokens(64) == 64 and shapes.tokens(65) == 80
+    assert sorted({(B, T) for B, T, _, _ in shapes.grid()}) == [(B, T) for B in (1, 4) for T in (1, 4, 8, 16, 64, 80)]
+    assert Shapes(max_rows=1, max_tokens=6, max_logit_rows=6, pages_per_row=2).tokens(5) == 6
+
+
 def test_calibration_times_steps_without_touching_sequences(target):
     """`Runtime.calibrate` times a decoding step, a verify step and the same verify step chaining MTP drafts, on
     rows that read the null plane and write only the trash page, the replay rebuild alone, writing nothing, and
