@@ -27,7 +27,11 @@ two would read the overhead as a cost per verified token (measured on an H100: a
 verified token at 0.6 ms, against 0.03 ms calibrated, and the policy stopped drafting). It reports decoding steps
 only (a prompt chunk's cost says little about a draft's), and the draft chain the MTP head runs inside the target's
 step as that drafter's proposal cost, from the chain's calibrated cost per draft. Sequences batched together share a step: with B of
-them each is charged fixed / B (for alike sequences, the per-sequence optimum is then the batch's optimum).
+them each is charged fixed / B (for alike sequences, the per-sequence optimum is then the batch's optimum). Steps
+of different batch sizes have lines of their own, one per `batch_class` (the powers of 4 the runtime compiles),
+each calibrated from that batch's warm steps: on one line over the batch's total tokens, one-row steps (where a
+draft's verify tokens and MTP chain cost about 0.13 ms a token on an H100) set the slope that 16-row steps were
+priced by, and MTP did not draft at 16 streams, where a fixed draft of 3 decoded 1.45x plain.
 
 Calls of one iteration. The engine runs several iterations per device call while the host has nothing to decide,
 so a call's fixed cost (dispatch, read-back) is spread over its iterations; a draft proposed on the host
@@ -132,7 +136,8 @@ class PolicyParams:
     cost_decay: float = 0.98
     cost_ridge: float = 1.0
     target_token_prior: float = 1.0 / 16  # a verified token costs this fraction of a step's fixed cost, until measured
-    target_calibrated: tuple[float, float] | None = None  # (fixed, per_token) seconds of warm one-row steps
+    # batch class -> (fixed, per_token) seconds of warm steps of that many rows
+    target_calibrated: Mapping[int, tuple[float, float]] = field(default_factory=dict)
     pool_decay: float = 0.98  # per observation, of the engine-wide record a new sequence starts from
     pool_weight: float = 8.0  # token trials of that record a new sequence starts with, at most
     loops: bool = False  # the engine runs several iterations per call where the host has nothing to decide
@@ -207,9 +212,10 @@ class LinearCost:
 class Costs:
     """The measured cost lines: the target's step and each drafter's proposal."""
 
-    target: LinearCost = LinearCost()  # per iteration of calls that ran several (all calls, where none loop)
+    # batch class -> the line per iteration of calls that ran several (of all calls, where none loop)
+    target: Mapping[int, LinearCost] = field(default_factory=dict)
     proposals: Mapping[str, LinearCost] = field(default_factory=dict)
-    single: LinearCost = LinearCost()  # calls of one iteration
+    single: Mapping[int, LinearCost] = field(default_factory=dict)  # batch class -> the line of one-iteration calls
 
 
 def best_length(
@@ -313,18 +319,28 @@ def pooled_start(pooled: Mapping[str, DrafterStats], params: PolicyParams) -> di
     return start
 
 
+def batch_class(n_rows: int) -> int:
+    """The batch sizes that share a cost line: 1, 4, 16, ... rows (the runtime compiles steps of these)."""
+    size = 1
+    while size < n_rows:
+        size *= 4
+    return size
+
+
 def _target_line(costs: Costs, params: PolicyParams, batch_size: int, drafter: str | None = None
                  ) -> tuple[float, float]:
-    """The (fixed, per_token) cost line of a target step drafted by `drafter` (None: not drafting), the fixed part
-    shared by batch_size sequences: the one-iteration line for host drafters (or where no call loops) once it has a
-    measurement, else the per-iteration line of looping calls."""
-    line = costs.target
-    if (drafter in params.host_drafters or not params.loops) and costs.single.w > 0.0:
-        line = costs.single
-    if params.target_calibrated is not None:
-        step_fixed, per_token = line.coefficients(
-            params.cost_ridge, 0.0, default=params.target_calibrated, slope_seconds=params.target_calibrated[1]
-        )
+    """The (fixed, per_token) cost line of a target step of batch_size sequences drafted by `drafter` (None: not
+    drafting), the fixed part shared by them: their batch class's one-iteration line for host drafters (or where no
+    call loops) once it has a measurement, else its per-iteration line of looping calls."""
+    rows = batch_class(batch_size)
+    lines = costs.target
+    if (drafter in params.host_drafters or not params.loops) and rows in costs.single:
+        lines = costs.single
+    line = lines.get(rows, LinearCost())
+    calibrated = params.target_calibrated.get(rows)
+    if calibrated is not None:
+        step_fixed, per_token = line.coefficients(params.cost_ridge, 0.0, default=calibrated,
+                                                  slope_seconds=calibrated[1])  # fmt: skip
     else:
         step_fixed, per_token = line.coefficients(
             params.cost_ridge, params.target_token_prior, default=(1.0, params.target_token_prior)
@@ -423,31 +439,44 @@ class DrafterPolicy:
         state = self.sequences.get(seq_id)
         return state if state is not None else SequenceState(stats=pooled_start(self.pooled, self.params))
 
-    def record_target(self, seconds: float, n_tokens: int, iterations: int = 1) -> None:
-        """A device call of `iterations` target steps took `seconds` per step; its first step had `n_tokens` tokens in
-        all (each sequence's 1 + drafts, plus prompt chunks). Calls of one iteration go on the one-iteration line
-        (`Costs.single`), and on the shared line too where no call loops."""
-        decay = self.params.cost_decay
+    def record_target(self, seconds: float, n_tokens: int, iterations: int = 1, rows: int = 1) -> None:
+        """A device call of `iterations` target steps over `rows` sequences took `seconds` per step; its first step
+        had `n_tokens` tokens in all (each sequence's 1 + drafts, plus prompt chunks). It goes on its batch class's
+        lines: calls of one iteration on the one-iteration line (`Costs.single`), and on the per-iteration line too
+        where no call loops."""
+        decay, cls = self.params.cost_decay, batch_class(rows)
+
+        def observed(lines: Mapping[int, LinearCost]) -> dict[int, LinearCost]:
+            return {**lines, cls: lines.get(cls, LinearCost()).observed(n_tokens, seconds, decay)}
+
         if iterations > 1 or not self.params.loops:
-            self.costs = replace(self.costs, target=self.costs.target.observed(n_tokens, seconds, decay))
+            self.costs = replace(self.costs, target=observed(self.costs.target))
         if iterations == 1:
-            self.costs = replace(self.costs, single=self.costs.single.observed(n_tokens, seconds, decay))
+            self.costs = replace(self.costs, single=observed(self.costs.single))
+
+    def token_seconds(self, n_rows: int) -> float:
+        """What a verified token adds to a (looping) target step of n_rows sequences."""
+        return _target_line(self.costs, self.params, n_rows)[1]
 
     def calibrate(self, steps: Mapping[tuple[int, int], float]) -> None:
-        """Start from warm steps timed before serving, {(rows, tokens per row): seconds}. The one-row steps give
-        the target's cost line until the engine reports a step (`target_calibrated`), and then the slope, in
-        seconds per verified token, that splits measurements sharing one n (as they do when every sequence keeps
-        drafting the same length); `target_token_prior` is that slope over the fixed cost. They are not recorded
-        as measurements (see the module docstring). Steps of several rows are left to live measurements: one cost
-        line over the batch's total tokens fits them poorly beside single rows."""
-        one_row = sorted((T, seconds) for (B, T), seconds in steps.items() if B == 1)
-        if len(one_row) >= 2:
-            (t0, s0), (t1, s1) = one_row[0], one_row[-1]
-            per_token = max(s1 - s0, 0.0) / (t1 - t0)
-            fixed = s0 - per_token * t0
+        """Start from warm steps timed before serving, {(rows, tokens per row): seconds}. Each batch class's
+        steps give its cost line until the engine reports a step of that class (`target_calibrated`), and then
+        the slope, in seconds per verified token, that splits measurements sharing one n (as they do when every
+        sequence keeps drafting the same length); `target_token_prior`, for classes not calibrated, is the one-row
+        slope over the fixed cost. They are not recorded as measurements (see the module docstring)."""
+        calibrated = dict(self.params.target_calibrated)
+        for rows in sorted({B for B, _ in steps}):
+            timed = sorted((T, seconds) for (B, T), seconds in steps.items() if B == rows)
+            if len(timed) < 2:
+                continue
+            (t0, s0), (t1, s1) = timed[0], timed[-1]
+            per_token = max(s1 - s0, 0.0) / (rows * (t1 - t0))
+            fixed = s0 - per_token * rows * t0
             if fixed > 0.0:
-                self.params = replace(self.params, target_token_prior=per_token / fixed,
-                                      target_calibrated=(fixed, per_token))
+                calibrated[batch_class(rows)] = (fixed, per_token)
+                if rows == 1:
+                    self.params = replace(self.params, target_token_prior=per_token / fixed)
+        self.params = replace(self.params, target_calibrated=calibrated)
 
     def record_proposal(self, drafter: str, seconds: float, n_tokens: int) -> None:
         """`drafter` proposed `n_tokens` tokens for one sequence; `seconds` is that sequence's share of the call."""

@@ -201,10 +201,8 @@ class Engine:
         calibrated costs at this many rows, snapshot's calibrated cost per state written, and the policy's measured
         per-token cost of a target step (what replayed tokens cost until calibrated; the rebuild then costs as much
         as one of them)."""
-        params = self.policy.params
-        _, per_token = self.policy.costs.target.coefficients(params.cost_ridge, params.target_token_prior,
-                                                             default=(1.0, params.target_token_prior))  # fmt: skip
         n_rows = max(self.scheduler.n_running, 1)
+        per_token = self.policy.token_seconds(n_rows)
         rebuild = self.runtime.rebuild_cost(n_rows)
         return RollbackCosts(token_seconds=per_token, rebuild_seconds=per_token if rebuild is None else rebuild,
                              step_seconds=self.runtime.step_costs(n_rows),
@@ -226,7 +224,7 @@ class Engine:
         replaying = [r.replay or (r.loop is not None and r.loop.replay) for r in rows]
         rebuild_seconds = (self.runtime.rebuild_cost(len(rows)) or 0.0) * n_iterations if any(replaying) else 0.0
         self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),
-                                  plan.n_tokens, n_iterations)  # fmt: skip
+                                  plan.n_tokens, n_iterations, len(plan.rows))  # fmt: skip
         n_chained = sum(n for _, n in chaining)
         for row, n_chain in chaining:
             name = self._device_drafter(row)
