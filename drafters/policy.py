@@ -331,12 +331,12 @@ def _target_line(costs: Costs, params: PolicyParams, batch_size: int, drafter: s
                  ) -> tuple[float, float]:
     """The (fixed, per_token) cost line of a target step of batch_size sequences drafted by `drafter` (None: not
     drafting), the fixed part shared by them: their batch class's one-iteration line for host drafters (or where no
-    call loops) once it has a measurement, else its per-iteration line of looping calls."""
+    call loops), else its per-iteration line of looping calls; while the one has no measurement, the other."""
     rows = batch_class(batch_size)
-    lines = costs.target
-    if (drafter in params.host_drafters or not params.loops) and rows in costs.single:
-        lines = costs.single
-    line = lines.get(rows, LinearCost())
+    looped, single = costs.target.get(rows, LinearCost()), costs.single.get(rows, LinearCost())
+    line = single if drafter in params.host_drafters or not params.loops else looped
+    if line.w <= 0.0:  # one kind of call not measured yet: the other's line, never a unit-free default beside it
+        line = looped if line is single else single
     calibrated = params.target_calibrated.get(rows)
     if calibrated is not None:
         step_fixed, per_token = line.coefficients(params.cost_ridge, 0.0, default=calibrated,

@@ -349,3 +349,16 @@ def test_each_batch_size_has_its_own_cost_line():
     config = SpeculativeConfig(("mtp",), n_max=3)
     assert [c.drafter for c in policy.plan("one of 16", config, batch_size=16)] == ["mtp"]
     assert policy.token_seconds(16) < policy.token_seconds(1) / 10
+
+
+def test_a_kind_of_call_not_yet_measured_is_priced_by_the_other():
+    """An engine without warm-up whose first steps ran one iteration each has measured only its one-iteration line.
+    Not drafting (priced by the looping line) must then take that line's seconds, not the unit-free default of
+    one per step, beside which every draft would look nearly free: here verified tokens cost 2 ms each, and at
+    the prior's acceptance drafting does not pay."""
+    policy = DrafterPolicy(PolicyParams(loops=True, host_drafters=frozenset({"ngram"})))
+    for _ in range(20):
+        policy.record_target(2.0e-3, 1, iterations=1)
+        policy.record_target(8.0e-3, 4, iterations=1)
+    policy.record_proposal("ngram", 0.0, 3)
+    assert policy.plan("s", SpeculativeConfig(("ngram",), n_max=3)) == []
