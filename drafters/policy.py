@@ -38,8 +38,8 @@ so a call's fixed cost (dispatch, read-back) is spread over its iterations; a dr
 (`host_drafters`, the n-gram lookup) needs the host between iterations, so its steps run one iteration per call.
 Calls of one iteration are fitted on a line of their own (`Costs.single`), which prices host drafters; no drafting
 and the drafters that chain on device are priced per iteration of looping calls. Measured on an H100: 0.6 ms per
-iteration of a looping call against 2.5-2.8 ms for a call of one; on one shared line the n-gram drafter was chosen
-at 0.82x plain, and its calls, read as a cost per verified token, kept MTP from drafting at 16 streams.
+iteration of a looping call against 2.5-2.8 ms for a call of one; on one shared line the n-gram drafter was
+undercharged and chosen at 0.82x plain, and MTP overcharged.
 
 Value. A draft of length d with per-token acceptance alpha yields E[accepted] = (1 - alpha^(d+1)) / (1 - alpha) - 1
 drafts plus the target's own token, so the expected tokens per unit of cost are
