@@ -14,11 +14,8 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/gdnspec serve $(ARGS)
 
-# The reliability tests run in a process of their own: after the rest of the suite in one process, XLA's CPU
-# compiler has segfaulted compiling a step on a worker thread in their load test (alone they pass).
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS) --ignore=tests/test_reliability.py
-	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/test_reliability.py
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/gdnspec bench step $(ARGS)

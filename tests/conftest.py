@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -16,6 +17,16 @@ INTERPRET = jax.default_backend() != "gpu"
 os.environ.setdefault("GDNSPEC_WEIGHT_DTYPE", "float32")
 if jax.default_backend() == "gpu":
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_executables():
+    """Each compiled XLA CPU executable holds some 20 memory mappings while a jit cache keeps it. The whole
+    suite's executables in one process pass Linux's vm.max_map_count (65530), and the next compilation then
+    segfaults in XLA's compiler; so no module inherits the executables of the ones before it."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def fixture(name: str) -> dict[str, np.ndarray]:
