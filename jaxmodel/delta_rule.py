@@ -121,6 +121,28 @@ def invert_unit_lower(a: jax.Array) -> jax.Array:
     return inverse.reshape(batch + (size, size))
 
 
+def _wy_terms(k, v, g, beta):
+    """The WY terms of chunks of C tokens (C a power of two), per head: k [..., C, Dk], v [..., C, Dv], g, beta
+    [..., C]. A chunk from state S leaves exp(G_C) S + k_to_end^T (u - w S), its per-token deltas being u - w S.
+
+    Returns G (the cumulative log-decay) [..., C], the causal decay exp(G_i - G_j) [..., C, C], u [..., C, Dv],
+    w [..., C, Dk], k_to_end [..., C, Dk] (k_j decayed to the chunk's end) and exp(G_C) [..., 1, 1]."""
+    size = g.shape[-1]
+    causal = jnp.tril(jnp.ones((size, size), bool))
+    strict = jnp.tril(jnp.ones((size, size), bool), -1)
+    g_cum = jnp.cumsum(g, axis=-1)
+    # Masked before exp: above the diagonal G_i - G_j is positive and may overflow.
+    gaps = jnp.where(causal, g_cum[..., :, None] - g_cum[..., None, :], 0.0)
+    decay = jnp.where(causal, jnp.exp(gaps), 0.0)
+    kk = jnp.einsum("...id,...jd->...ij", k, k, precision=_HIGHEST)
+    a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
+    inverse = invert_unit_lower(a)
+    u = jnp.matmul(inverse, beta[..., None] * v, precision=_HIGHEST)
+    w = jnp.matmul(inverse, (beta * jnp.exp(g_cum))[..., None] * k, precision=_HIGHEST)
+    k_to_end = k * jnp.exp(g_cum[..., -1:] - g_cum)[..., None]
+    return g_cum, decay, u, w, k_to_end, jnp.exp(g_cum[..., -1])[..., None, None]
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, *, chunk_size: int = CHUNK_SIZE):
     """Chunked (WY / UT-transform) gated delta rule from an initial state, in plain JAX.
 
@@ -151,20 +173,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, *, chunk_size: int =
     v, g, beta = chunked(v), chunked(g), chunked(beta)  # [n, B, H, C, Dv], [n, B, H, C] x2
 
     causal = jnp.tril(jnp.ones((size, size), bool))
-    strict = jnp.tril(jnp.ones((size, size), bool), -1)
-    g_cum = jnp.cumsum(g, axis=-1)  # [n, B, H, C]
-    # Masked before exp: above the diagonal G_i - G_j is positive and may overflow.
-    gaps = jnp.where(causal, g_cum[..., :, None] - g_cum[..., None, :], 0.0)
-    decay = jnp.where(causal, jnp.exp(gaps), 0.0)  # [n, B, H, C, C]
-    kk = jnp.einsum("...id,...jd->...ij", k, k, precision=_HIGHEST)
-    a = jnp.where(strict, beta[..., :, None] * kk * decay, 0.0)
-    inverse = invert_unit_lower(a)  # [n, B, H, C, C]
-    u = jnp.matmul(inverse, beta[..., None] * v, precision=_HIGHEST)  # [n, B, H, C, Dv]
-    w = jnp.matmul(inverse, (beta * jnp.exp(g_cum))[..., None] * k, precision=_HIGHEST)  # [n, B, H, C, Dk]
+    g_cum, decay, u, w, k_to_end, chunk_decay = _wy_terms(k, v, g, beta)
     scores = jnp.where(causal, jnp.einsum("...id,...jd->...ij", q, k, precision=_HIGHEST) * decay, 0.0)
     q_decayed = q * jnp.exp(g_cum)[..., None]
-    k_to_end = k * jnp.exp(g_cum[..., -1:] - g_cum)[..., None]
-    chunk_decay = jnp.exp(g_cum[..., -1])[..., None, None]  # [n, B, H, 1, 1]
 
     def step(state, xs):  # state [B, H, Dk, Dv]
         u, w, scores, q_decayed, k_to_end, chunk_decay = xs
@@ -191,6 +202,32 @@ def chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, chunk_
     target = jnp.max(write_planes, axis=1)  # [B]
     target = jnp.where(target < 0, n_planes, target)
     return out, ssm_pool.at[target].set(final.astype(ssm_pool.dtype), mode="drop")
+
+
+def advance_planes(k, v, g, beta, ssm_pool, planes):
+    """Advance the state in each of `planes` by a few tokens of the delta rule, in place (replay's rebuild).
+
+    k:         [B, n, Hk, Dk]  L2-normalised keys
+    v:         [B, n, Hv, Dv]
+    g, beta:   [B, n, Hv]      a token with g = beta = 0 leaves the state alone
+    ssm_pool:  [N, Hv, Dk, Dv] float32 state planes
+    planes:    [B]             the plane each row reads and overwrites, -1 for none
+    returns the updated pool.
+
+    The n tokens as one chunk of the chunked form: S_n = exp(G_n) S + k_to_end^T (u - w S), one product against
+    the state and a rank-n update, where the token-serial scan reads and writes the whole state once per token.
+    The update is n outer products summed elementwise: XLA's CPU dot is slow at a contraction of a few."""
+    n_planes, n_value_heads = ssm_pool.shape[:2]
+    n = k.shape[1]
+    pad = (1 << max(n - 1, 0).bit_length()) - n  # identity tokens up to a power of two
+    per_head = lambda x: jnp.swapaxes(jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)), 1, 2)
+    k = per_head(tile_key_heads(k, n_value_heads))  # [B, Hv, C, Dk]
+    _, _, u, w, k_to_end, decay = _wy_terms(k, per_head(v), per_head(g), per_head(beta))
+    state = read_planes(ssm_pool, jnp.maximum(planes, 0)).astype(jnp.float32)  # [B, Hv, Dk, Dv]
+    deltas = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_HIGHEST)  # [B, Hv, C, Dv]
+    state = decay * state + sum(k_to_end[..., c, :, None] * deltas[..., c, None, :] for c in range(n))
+    targets = jnp.where(planes < 0, n_planes, planes)  # rows rebuilding nothing write past the pool's end
+    return ssm_pool.at[targets].set(state.astype(ssm_pool.dtype), mode="drop")
 
 
 def choose_implementation(backend: str, n_tokens: int, final_only: bool) -> str:

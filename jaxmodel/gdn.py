@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .delta_rule import gated_delta_rule
+from .delta_rule import advance_planes, gated_delta_rule
 from .layers import l2_norm, linear, rms_norm
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
@@ -83,9 +83,10 @@ def gdn_rebuild(
 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Advance the state in `plane` (the state after `last`, which the step's forward wrote there) by the first
     n_keep[b] recorded tokens of slot[b], in every GDN layer, and write it back: the conv over the recorded raw
-    inputs gives k and v again (the projections are not recomputed), then the delta rule runs with g = beta = 0
-    past n_keep (which leaves the state alone) and writes the final state. All layers run as one batch of
-    L x B rows (one recurrence to compile, not L). Returns both pools of every layer."""
+    inputs gives k and v again (the projections are not recomputed), then the delta rule, with g = beta = 0 past
+    n_keep (which leaves the state alone), advances each plane in place (`delta_rule.advance_planes`: one
+    product against the state, not one per token). The conv runs for all layers as one batch of L x B rows.
+    Returns both pools of every layer."""
     L, B = len(ws), plane.shape[0]
     n = replay_pools[0].shape[1]
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
@@ -93,21 +94,15 @@ def gdn_rebuild(
     source = jnp.maximum(plane, 0)  # rows rebuilding nothing read the null plane
     records = jnp.stack([read_planes(pool, jnp.maximum(slot, 0)) for pool in replay_pools])  # [L, B, n, C + 2 Hv]
     keep = (jnp.arange(n)[None, :] < n_keep[:, None])[None, ..., None]  # [1, B, n, 1]
-    g = jnp.where(keep, records[..., C : C + Hv], 0.0).reshape(L * B, n, Hv)
-    beta = jnp.where(keep, records[..., C + Hv :], 0.0).reshape(L * B, n, Hv)
+    g = jnp.where(keep, records[..., C : C + Hv], 0.0)  # [L, B, n, Hv]
+    beta = jnp.where(keep, records[..., C + Hv :], 0.0)
     window = jnp.concatenate([jnp.stack([read_planes(pool, source) for pool in conv_pools]),
                               jnp.swapaxes(records[..., :C], 2, 3)], axis=3)  # [L, B, C, Kc-1+n]
     taps = jnp.stack([window[:, :, Hk * Dk :, j : j + n] for j in range(Kc)], axis=-1)  # k, v channels only
     kv = jax.nn.silu(jnp.einsum("lbctk,lck->lbtc", taps, jnp.stack([w.conv[Hk * Dk :] for w in ws])))
-    k = l2_norm(kv[..., : Hk * Dk].reshape(L * B, n, Hk, Dk), cfg.norm_eps)
-    v = kv[..., Hk * Dk :].reshape(L * B, n, Hv, Dk)
-    # The L x B input states as a pool of their own, each row rewriting its plane with its final state.
-    states = jnp.stack([read_planes(pool, source) for pool in ssm_pools]).reshape((L * B,) + ssm_pools[0].shape[1:])
-    rows = jnp.arange(L * B, dtype=jnp.int32)
-    writes = jnp.full((L * B, n), -1, jnp.int32).at[:, n - 1].set(rows)  # the final state, as final_only requires
-    _, states = gated_delta_rule(k, k, v, g, beta, states, rows, writes, final_only=True)
-    states = states.reshape((L, B) + ssm_pools[0].shape[1:])
+    k = l2_norm(kv[..., : Hk * Dk].reshape(L, B, n, Hk, Dk), cfg.norm_eps)
+    v = kv[..., Hk * Dk :].reshape(L, B, n, Hv, Dk)
+    ssm_pools = [advance_planes(k[j], v[j], g[j], beta[j], pool, plane) for j, pool in enumerate(ssm_pools)]
     after = jax.vmap(jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t, Kc - 1, axis=1), (0, 0)),
                      (0, None))(window, n_keep)  # [L, B, C, Kc-1]
-    return ([scatter_planes(pool, plane, after[j]) for j, pool in enumerate(conv_pools)],
-            [scatter_planes(pool, plane, states[j]) for j, pool in enumerate(ssm_pools)])
+    return [scatter_planes(pool, plane, after[j]) for j, pool in enumerate(conv_pools)], ssm_pools

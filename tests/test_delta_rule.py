@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import check_against_reference
+from conftest import check_against_reference, tolerance
 from jaxmodel import delta_rule
-from jaxmodel.delta_rule import (chunked_scan, choose_implementation, gated_delta_rule, invert_unit_lower,
-                                 recurrent_scan)
+from jaxmodel.delta_rule import (advance_planes, chunked_scan, choose_implementation, gated_delta_rule,
+                                 invert_unit_lower, recurrent_scan)
 from jaxmodel.kernels.problems import random_inputs, random_problem
 from jaxmodel.kernels.reference import delta_rule_reference
 
@@ -77,6 +77,27 @@ def test_chunked_scan_matches_reference(n_tokens, dk, chunk_size):
     problem = random_problem(20 + n_tokens, n_tokens=n_tokens, dk=dk, dv=dk, final_only=True)
     outputs, pool = _chunked(*problem.args, chunk_size=chunk_size)
     check_against_reference(problem, outputs, pool, final_only=True)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 3, 4, 5])
+def test_advance_planes_matches_reference_in_place(n_tokens):
+    """Replay's rebuild: each row's plane advanced by its tokens (padding past a row's kept ones) and
+    overwritten; a row naming no plane writes nothing, and every other plane stays as it was, bit for bit."""
+    rng = np.random.default_rng(50 + n_tokens)
+    n_rows, n_planes = 4, 7
+    _, k, v, g, beta = random_inputs(rng, n_rows, n_tokens, 2, 4, 16, 16)
+    n_keep = np.array([n_tokens, n_tokens // 2, 0, n_tokens])  # the kept tokens of each row
+    padding = np.arange(n_tokens)[None, :] >= n_keep[:, None]
+    g[padding], beta[padding] = 0.0, 0.0
+    pool = rng.normal(size=(n_planes, 4, 16, 16)).astype(np.float32)
+    planes = np.array([3, 5, 1, -1], np.int32)
+    advanced = np.asarray(jax.jit(advance_planes)(k, v, g, beta, pool, planes))
+    ref = delta_rule_reference(k, k, v, g, beta, pool[np.maximum(planes, 0)])
+    tol = tolerance(n_tokens)
+    for row, plane in enumerate(planes[:3]):
+        np.testing.assert_allclose(advanced[plane], ref.final_state[row], atol=tol, rtol=tol, err_msg=f"row {row}")
+    untouched = [0, 2, 4, 6]
+    np.testing.assert_array_equal(advanced[untouched], pool[untouched])
 
 
 def test_invert_unit_lower_inverts_batched_unit_lower_triangular_matrices():
