@@ -287,22 +287,22 @@ def observe_draft(
         raise ValueError(f"accepted {accepted} of {drafted} drafted")
     old = state.stats.get(drafter, DrafterStats())
     age = params.decay ** max(state.step - old.observed_at, 0)
-    new = replace(
-        old,
-        successes=age * old.successes + accepted,
-        trials=age * old.trials + accepted + (1 if accepted < drafted else 0),
-        observed_at=state.step,
-        tried_at=state.step,
-    )
+    new = replace(_counted(old, age, drafted, accepted), observed_at=state.step, tried_at=state.step)
     return replace(state, stats={**state.stats, drafter: new})
+
+
+def _counted(stats: DrafterStats, age: float, drafted: int, accepted: int) -> DrafterStats:
+    """stats, its evidence weighed by `age`, with one more draft counted: each accepted token is a success in a
+    trial, and a rejection, which ends the draft, one more trial."""
+    return replace(stats, successes=age * stats.successes + accepted,
+                   trials=age * stats.trials + accepted + (1 if accepted < drafted else 0))
 
 
 def pool_observation(pooled: DrafterStats, drafted: int, accepted: int, params: PolicyParams) -> DrafterStats:
     """The engine-wide record of a drafter after one more verified draft (drafted 0: unchanged)."""
     if drafted <= 0:
         return pooled
-    return replace(pooled, successes=params.pool_decay * pooled.successes + accepted,
-                   trials=params.pool_decay * pooled.trials + accepted + (1 if accepted < drafted else 0))
+    return _counted(pooled, params.pool_decay, drafted, accepted)
 
 
 def pooled_start(pooled: Mapping[str, DrafterStats], params: PolicyParams) -> dict[str, DrafterStats]:
