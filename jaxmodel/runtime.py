@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -150,6 +151,20 @@ def _compiled(cfg: ModelConfig):
                    static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab"), donate_argnames="state")
     chain = jax.jit(functools.partial(draft_chain, cfg=cfg), static_argnames="n_max", donate_argnames="state")
     return step, chain, jax.jit(functools.partial(rebuild, cfg=cfg), donate_argnames="state")
+
+
+def plane_write_cost(without: Sequence[float], with_writes: Sequence[float], n_planes: int) -> float:
+    """Seconds one GDN state written into a plane adds to a step, from runs of the same step without and with
+    n_planes such writes: the difference of the fastest runs, less the spread of the runs without writes (a
+    difference within what runs of the same step differ by is no evidence that writes cost).
+
+    >>> plane_write_cost([1.00, 1.02, 1.05], [1.01, 1.03, 1.04], 4)  # within the noise
+    0.0
+    >>> round(plane_write_cost([1.00, 1.02, 1.05], [1.42, 1.43, 1.45], 4), 3)  # (0.42 - 0.02) / 4
+    0.1
+    """
+    noise = statistics.median(without) - min(without)
+    return max(min(with_writes) - min(without) - noise, 0.0) / n_planes
 
 
 class Runtime:
@@ -358,7 +373,8 @@ class Runtime:
         steps of every compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before
         `last` can lead to (what checkpoint rollback costs). With `spare_planes` (planes no sequence holds, which
         it overwrites), also the one-row verify step writing the state after each of its tokens into them, whose
-        extra time per plane is what snapshot rollback's writes cost (`plane_write_seconds`). The minimum of
+        extra time per plane is what snapshot rollback's writes cost (`plane_write_seconds`; the two run in turn,
+        and less the spread of the runs without writes, so that noise is not taken for a cost). The minimum of
         `repeats` runs each; call after `warmup` (these shapes compile; the rebuild compiles here). Also keeps the
         chain, rebuild, step and write costs for `chain_cost`, `rebuild_cost`, `step_costs` and
         `plane_write_seconds`."""
@@ -368,17 +384,17 @@ class Runtime:
         n = max(self.n_chain_max, 1)
         T_verify = self.shapes.tokens(1 + n)
 
-        def best(B: int, T: int, n_chain: int, write_planes: Sequence[int] = ()) -> float:
+        def timed(B: int, T: int, n_chain: int, write_planes: Sequence[int] = ()) -> float:
             n_drafts = min(T - 1, self.shapes.logit_rows(T, False) - 1)  # any tokens before them are replayed ones
             writes = list(write_planes) + [-1] * (T - len(write_planes))
             rows = [StepRow(Row([1] * T, 0, [TRASH_PAGE], NULL_PLANE, writes, range(T - 1 - n_drafts, T)),
                             drafts=[1] * n_drafts, n_chain=n_chain) for _ in range(B)]  # fmt: skip
-            seconds = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                self.step(rows)
-                seconds = min(seconds, time.perf_counter() - start)
-            return seconds
+            start = time.perf_counter()
+            self.step(rows)
+            return time.perf_counter() - start
+
+        def best(B: int, T: int, n_chain: int) -> float:
+            return min(timed(B, T, n_chain) for _ in range(repeats))
 
         for B in sorted({self.shapes.batch(k) for k in range(1, self.shapes.max_rows + 1)}):
             calibration.step_seconds[B, 1] = best(B, 1, -1)
@@ -393,8 +409,8 @@ class Runtime:
                     calibration.longer_step_seconds[B, T] = best(B, T, -1)
         written = list(spare_planes)[:T_verify]
         if written:
-            without, with_writes = best(1, T_verify, -1), best(1, T_verify, -1, written)  # side by side: less drift
-            calibration.plane_write_seconds = max(with_writes - without, 0.0) / len(written)
+            runs = [(timed(1, T_verify, -1), timed(1, T_verify, -1, written)) for _ in range(repeats)]  # in turn
+            calibration.plane_write_seconds = plane_write_cost(*zip(*runs), len(written))
         self.chain_seconds = dict(calibration.chain_seconds)
         self.rebuild_seconds = dict(calibration.rebuild_seconds)
         self.step_seconds = {**calibration.step_seconds, **calibration.longer_step_seconds}

@@ -10,7 +10,7 @@ from conftest import DATA, plain_greedy
 from drafters.base import DraftRequest
 from drafters.draft_model import DraftModelDrafter, check_same_vocab
 from jaxmodel import load_model
-from jaxmodel.runtime import Runtime, Shapes, StepRow
+from jaxmodel.runtime import Runtime, Shapes, StepRow, plane_write_cost
 from jaxmodel.state import Row
 
 
@@ -87,6 +87,14 @@ def test_rows_are_padded_to_1_4_8_16_tokens_then_powers_of_4():
     assert shapes.tokens(64) == 64 and shapes.tokens(65) == 80
     assert sorted({(B, T) for B, T, _, _ in shapes.grid()}) == [(B, T) for B in (1, 4) for T in (1, 4, 8, 16, 64, 80)]
     assert Shapes(max_rows=1, max_tokens=6, max_logit_rows=6, pages_per_row=2).tokens(5) == 6
+
+
+def test_a_write_cost_within_the_steps_noise_counts_as_none():
+    """Snapshot's writes are priced by a difference of two step times; on CPU, where writing costs nothing
+    measurable, that difference is the machine's noise, and auto must not trade snapshot for replay over it."""
+    without = [0.300, 0.310, 0.330, 0.305, 0.320]  # a one-row verify step's runs, 10 ms apart at the median
+    assert plane_write_cost(without, [0.307, 0.315, 0.322, 0.309, 0.330], 8) == 0.0  # fastest 7 ms slower
+    assert plane_write_cost(without, [0.390, 0.400, 0.410, 0.395, 0.405], 8) == pytest.approx((0.09 - 0.01) / 8)
 
 
 def test_calibration_times_steps_without_touching_sequences(target):
