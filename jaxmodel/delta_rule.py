@@ -204,14 +204,16 @@ def chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, chunk_
     return out, ssm_pool.at[target].set(final.astype(ssm_pool.dtype), mode="drop")
 
 
-def advance_planes(k, v, g, beta, ssm_pool, planes):
-    """Advance the state in each of `planes` by a few tokens of the delta rule, in place (replay's rebuild).
+def advance_planes(k, v, g, beta, ssm_pool, source, target):
+    """Advance the state in each of `source` planes by a few tokens of the delta rule into `target` (replay's
+    rebuild).
 
     k:         [B, n, Hk, Dk]  L2-normalised keys
     v:         [B, n, Hv, Dv]
     g, beta:   [B, n, Hv]      a token with g = beta = 0 leaves the state alone
     ssm_pool:  [N, Hv, Dk, Dv] float32 state planes
-    planes:    [B]             the plane each row reads and overwrites, -1 for none
+    source:    [B]             the plane each row reads
+    target:    [B]             the plane each row writes (its source, or another), -1 for none
     returns the updated pool.
 
     The n tokens as one chunk of the chunked form: S_n = exp(G_n) S + k_to_end^T (u - w S), one product against
@@ -223,10 +225,10 @@ def advance_planes(k, v, g, beta, ssm_pool, planes):
                                       1, 2)  # [B, n, H, ...] -> [B, H, C, ...]
     k = per_head(tile_key_heads(k, n_value_heads))  # [B, Hv, C, Dk]
     _, _, u, w, k_to_end, decay = _wy_terms(k, per_head(v), per_head(g), per_head(beta))
-    state = read_planes(ssm_pool, jnp.maximum(planes, 0)).astype(jnp.float32)  # [B, Hv, Dk, Dv]
+    state = read_planes(ssm_pool, source).astype(jnp.float32)  # [B, Hv, Dk, Dv]
     deltas = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_HIGHEST)  # [B, Hv, C, Dv]
     state = decay * state + sum(k_to_end[..., c, :, None] * deltas[..., c, None, :] for c in range(n))
-    return scatter_planes(ssm_pool, planes, state)
+    return scatter_planes(ssm_pool, target, state)
 
 
 def choose_implementation(backend: str, n_tokens: int, final_only: bool) -> str:

@@ -32,7 +32,7 @@ def gdn_mixer(
     final_only: bool,
     replay_pool: jax.Array | None = None,  # [S, n, C + 2 Hv]
     record_slot: jax.Array | None = None,  # [B] the replay slot receiving the row's records, -1 for none
-    record_from: jax.Array | None = None,  # [B] the row's first recorded token (its first draft)
+    record_from: jax.Array | None = None,  # [B] the row's first recorded token (its first draft, or `last`)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Returns y [B, T, E], both pools with the states after each written token stored, and the replay pool with
     each recording row's raw conv inputs, g and beta of tokens record_from.. (n of them) in its slot."""
@@ -77,21 +77,22 @@ def gdn_rebuild(
     conv_pools: list[jax.Array],  # per GDN layer [N, C, Kc-1]
     ssm_pools: list[jax.Array],  # per GDN layer [N, Hv, Dk, Dv]
     replay_pools: list[jax.Array],  # per GDN layer [S, n, C + 2 Hv]
-    plane: jax.Array,  # [B] the plane to rebuild, -1 for none
+    source: jax.Array,  # [B] the plane holding the state the records follow
+    target: jax.Array,  # [B] the plane receiving the rebuilt state, -1 for none
     slot: jax.Array,  # [B] the row's replay slot
-    n_keep: jax.Array,  # [B] recorded tokens to apply (the accepted drafts), 0..n
+    n_keep: jax.Array,  # [B] recorded tokens to apply, 0..n
 ) -> tuple[list[jax.Array], list[jax.Array]]:
-    """Advance the state in `plane` (the state after `last`, which the step's forward wrote there) by the first
-    n_keep[b] recorded tokens of slot[b], in every GDN layer, and write it back: the conv over the recorded raw
+    """Advance the state in `source` (the state before the row's first recorded token) by the first n_keep[b]
+    recorded tokens of slot[b], in every GDN layer, and write it to `target`: the conv over the recorded raw
     inputs gives k and v again (the projections are not recomputed), then the delta rule, with g = beta = 0 past
-    n_keep (which leaves the state alone), advances each plane in place (`delta_rule.advance_planes`: one
-    product against the state, not one per token). The conv runs for all layers as one batch of L x B rows.
-    Returns both pools of every layer."""
-    L, B = len(ws), plane.shape[0]
+    n_keep (which leaves the state alone), advances each state (`delta_rule.advance_planes`: one product against
+    the state, not one per token). The conv runs for all layers as one batch of L x B rows. Returns both pools of
+    every layer."""
+    L, B = len(ws), target.shape[0]
     n = replay_pools[0].shape[1]
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
     C = cfg.conv_channels
-    source = jnp.maximum(plane, 0)  # rows rebuilding nothing read the null plane
+    source = jnp.where(target < 0, 0, source)  # rows rebuilding nothing read the null plane
     records = jnp.stack([read_planes(pool, jnp.maximum(slot, 0)) for pool in replay_pools])  # [L, B, n, C + 2 Hv]
     keep = (jnp.arange(n)[None, :] < n_keep[:, None])[None, ..., None]  # [1, B, n, 1]
     g = jnp.where(keep, records[..., C : C + Hv], 0.0)  # [L, B, n, Hv]
@@ -102,7 +103,7 @@ def gdn_rebuild(
     kv = jax.nn.silu(jnp.einsum("lbctk,lck->lbtc", taps, jnp.stack([w.conv[Hk * Dk :] for w in ws])))
     k = l2_norm(kv[..., : Hk * Dk].reshape(L, B, n, Hk, Dk), cfg.norm_eps)
     v = kv[..., Hk * Dk :].reshape(L, B, n, Hv, Dk)
-    ssm_pools = [advance_planes(k[j], v[j], g[j], beta[j], pool, plane) for j, pool in enumerate(ssm_pools)]
+    ssm_pools = [advance_planes(k[j], v[j], g[j], beta[j], pool, source, target) for j, pool in enumerate(ssm_pools)]
     after = jax.vmap(jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t, Kc - 1, axis=1), (0, 0)),
                      (0, None))(window, n_keep)  # [L, B, C, Kc-1]
-    return [scatter_planes(pool, plane, after[j]) for j, pool in enumerate(conv_pools)], ssm_pools
+    return [scatter_planes(pool, target, after[j]) for j, pool in enumerate(conv_pools)], ssm_pools

@@ -27,7 +27,7 @@ from .weights import Layer, Mtp, Weights, pytree
 @pytree
 class Record:
     """Which rows of a step record replay inputs (docs/design.md "Rollback", replay): slot [B] the replay slot of
-    the row (-1: none), first [B] the row's first recorded token (its first draft)."""
+    the row (-1: none), first [B] the row's first recorded token (its first draft, or `last`)."""
 
     slot: jax.Array
     first: jax.Array
@@ -82,18 +82,19 @@ def forward(
     return out, new_state
 
 
-def rebuild(weights: Weights, cfg: ModelConfig, state: ModelState, plane: jax.Array, slot: jax.Array,
-            n_keep: jax.Array, hidden: jax.Array) -> ModelState:
-    """Replay rollback (docs/design.md "Rollback"): advance each row's `plane` [B] (-1: none), which holds the
-    state after `last`, by its first n_keep [B] recorded drafts (replay slot [B]) in every GDN layer, and store
-    `hidden` [B, E] (the target's post-norm hidden of the last kept token) beside it. No projection and no
-    other layer runs: `gdn.gdn_rebuild`."""
+def rebuild(weights: Weights, cfg: ModelConfig, state: ModelState, source: jax.Array, target: jax.Array,
+            slot: jax.Array, n_keep: jax.Array, hidden: jax.Array) -> ModelState:
+    """Replay rollback (docs/design.md "Rollback"): advance each row's `source` plane [B] by the first n_keep [B]
+    tokens recorded in its replay slot [B], in every GDN layer, write the result to its `target` plane [B] (-1:
+    none), and store `hidden` [B, E] (the target's post-norm hidden of the last kept token) beside it. No
+    projection and no other layer runs: `gdn.gdn_rebuild`."""
     if not cfg.gdn_layers:
         return state
     mixers = [weights.layers[li].mixer for li in cfg.gdn_layers]
-    conv, ssm = gdn_rebuild(mixers, cfg, list(state.conv), list(state.ssm), list(state.replay), plane, slot, n_keep)
+    conv, ssm = gdn_rebuild(mixers, cfg, list(state.conv), list(state.ssm), list(state.replay), source, target,
+                            slot, n_keep)
     return dataclasses.replace(state, conv=tuple(conv), ssm=tuple(ssm),
-                               hidden=scatter_planes(state.hidden, plane, hidden))
+                               hidden=scatter_planes(state.hidden, target, hidden))
 
 
 def _write_hidden(pool: jax.Array, hidden: jax.Array, batch: StepBatch, final_only: bool) -> jax.Array:

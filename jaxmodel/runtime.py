@@ -40,12 +40,14 @@ class RowLoop:
     """Lets a row run further iterations in the same device call (see `jaxmodel.speculative.LoopInputs`): each
     feeds the bonus token and up to n_draft MTP drafts, writing into `planes` (the row's read plane first, then
     its write planes in order) minus the live one; at most `budget` tokens are committed in all. replay: the
-    iterations roll back by replay (two planes; n_draft at most the runtime's replay pool), else by snapshot."""
+    iterations roll back by replay (two planes; n_draft at most the runtime's replay pool), else by snapshot;
+    optimistic: they replay optimistically (see `StepRow`)."""
 
     n_draft: int
     planes: Sequence[int]
     budget: int
     replay: bool = False
+    optimistic: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,12 @@ class StepRow:
     `row.logit_rows` must be the indices of `last` and of each draft among the fed tokens (empty: nothing is
     committed, e.g. an intermediate prompt chunk). n_chain: -1 leaves the MTP head alone, 0 has it catch up on the
     committed tokens, n > 0 also chains up to n drafts for the next step, stopping below p_min.
-    replay: replay rollback (docs/design.md "Rollback"): the row writes the state after `last` into
-    `row.write_planes` at `last` (and nothing else), and the call advances that plane by the accepted drafts
-    after verification. Needs a runtime with a replay pool of at least len(drafts) tokens.
+    replay: replay rollback (docs/design.md "Rollback"): the row writes one state, and the call rebuilds it after
+    verification where it is wrong (`jaxmodel.speculative.ReplayInputs`). Forward: the state after `last`, into
+    `row.write_planes` at `last` (and nothing else), advanced by the accepted drafts when one is. optimistic: the
+    state after the last draft, into `row.write_planes` at the row's last token (and nothing else), rebuilt from
+    the read plane when a draft is rejected; only for rows without replayed tokens before `last`. Needs a runtime
+    with a replay pool of at least len(drafts) tokens.
     """
 
     row: Row
@@ -67,6 +72,7 @@ class StepRow:
     p_min: float = 0.0
     loop: RowLoop | None = None
     replay: bool = False
+    optimistic: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ class Calibration:
 
     step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens per row) -> a step
     chain_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what one chained MTP draft adds
-    rebuild_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what the replay rebuild adds to a step
+    rebuild_seconds: dict[int, float] = field(default_factory=dict)  # rows -> one pass of the replay rebuild
     # (rows, tokens per row) -> the longer verify steps that replayed tokens (checkpoint rollback) lead to
     longer_step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     plane_write_seconds: float | None = None  # what writing one more GDN state into a plane adds to a step
@@ -148,7 +154,8 @@ def _compiled(cfg: ModelConfig):
     """The jitted step, chain and replay rebuild (timed alone by `calibrate`) of a config, shared by every runtime
     of it (so their compilations are too)."""
     step = jax.jit(functools.partial(speculative_step, cfg=cfg),
-                   static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab"), donate_argnames="state")
+                   static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab", "rebuild_rows"),
+                   donate_argnames="state")
     chain = jax.jit(functools.partial(draft_chain, cfg=cfg), static_argnames="n_max", donate_argnames="state")
     return step, chain, jax.jit(functools.partial(rebuild, cfg=cfg), donate_argnames="state")
 
@@ -175,13 +182,15 @@ class Runtime:
     stop_ids: end-of-generation ids, which end a row's iterations on device. draft_vocab: the MTP head drafts
     among the token ids below it (None: all). replay_tokens: the longest draft a row in replay rollback may verify
     (the replay pool holds that many tokens for each of `replay_slots` rows, by default `shapes.max_rows`; 0: no
-    replay pool, and no rebuild compiled).
+    replay pool, and no rebuild compiled). rebuild_rows: rows per pass of the replay rebuild (0: all rows of a
+    step in one pass; by default one on CPU, where a pass costs what its rows do, and all elsewhere; see
+    `jaxmodel.speculative.replay_rebuild`).
     """
 
     def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,
                  shapes: Shapes | None = None, n_chain_max: int = 0, max_iterations: int = 1,
                  stop_ids: Sequence[int] = (), draft_vocab: int | None = None, replay_tokens: int = 0,
-                 replay_slots: int | None = None):
+                 replay_slots: int | None = None, rebuild_rows: int | None = None):
         self.model = model
         self.page_size = page_size
         self.shapes = shapes
@@ -194,9 +203,10 @@ class Runtime:
         replay_slots = replay_slots if model.cfg.gdn_layers else 0
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size,
                                      replay_slots=replay_slots, replay_tokens=replay_tokens)
+        self.rebuild_rows = (1 if jax.default_backend() == "cpu" else 0) if rebuild_rows is None else rebuild_rows
         self._step, self._chain, self._rebuild = _compiled(model.cfg)
         self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
-        self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds the replay rebuild adds to a step
+        self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds one pass of the replay rebuild takes
         self.step_seconds: dict[tuple[int, int], float] = {}  # (batch bucket, tokens per row) -> a verify step
         self.plane_write_seconds: float | None = None  # one GDN state written into a plane (see calibrate)
 
@@ -250,7 +260,7 @@ class Runtime:
             self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
             replay=self._replay_inputs(rows, B, T, final_only), final_only=final_only,
             n_max=self.mtp_chain_max,
-            max_iterations=max_iterations, draft_vocab=self.draft_vocab,
+            max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
         )  # fmt: skip
         n_accepted, tokens, drafts, n_drafted, more = jax.device_get(
             (out.n_accepted, out.tokens, out.drafts, out.n_drafted, more)
@@ -278,17 +288,21 @@ class Runtime:
                 raise ValueError("a replay row needs a runtime with a replay pool and a step shape with drafts")
             return None
         plane = np.full((B,), -1, np.int32)
+        optimistic = np.zeros((B,), bool)
         for b, r in enumerate(rows):
             if r.replay:
                 if b >= self.replay_slots or len(r.drafts) > self.replay_tokens:
                     raise ValueError(f"row {b}: replay needs a replay slot and at most {self.replay_tokens} "
                                      f"drafts")  # fmt: skip
-                plane[b] = r.row.write_planes[r.row.logit_rows[0]]
-        return ReplayInputs(plane, np.bool_((plane >= 0).any()))
+                if r.optimistic and r.row.logit_rows[0] != 0:
+                    raise ValueError(f"row {b}: optimistic replay needs `last` to be the row's first token")
+                plane[b] = r.row.write_planes[-1 if r.optimistic else r.row.logit_rows[0]]
+                optimistic[b] = r.optimistic
+        return ReplayInputs(plane, optimistic)
 
     def _loop_inputs(self, rows: Sequence[StepRow], B: int, iterations: int) -> LoopInputs:
         width = self.mtp_chain_max + 2
-        loops, replay = np.zeros((B,), bool), np.zeros((B,), bool)
+        loops, replay, optimistic = np.zeros((B,), bool), np.zeros((B,), bool), np.zeros((B,), bool)
         n_draft, budget, capacity = np.zeros((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B,), np.int32)
         planes = np.full((B, width), -1, np.int32)
         for b, r in enumerate(rows):
@@ -296,11 +310,12 @@ class Runtime:
                 if r.loop.replay and (b >= self.replay_slots or r.loop.n_draft > self.replay_tokens):
                     raise ValueError(f"row {b}: replay iterations need a replay slot and at most "
                                      f"{self.replay_tokens} drafts")  # fmt: skip
-                loops[b], replay[b] = True, r.loop.replay
+                loops[b], replay[b], optimistic[b] = True, r.loop.replay, r.loop.optimistic
                 n_draft[b], budget[b] = r.loop.n_draft, r.loop.budget
                 planes[b, : len(r.loop.planes)] = r.loop.planes[:width]
             capacity[b] = len(r.row.pages) * self.page_size
-        return LoopInputs(loops, replay, n_draft, planes, budget, capacity, self.stop_ids, np.int32(iterations))
+        return LoopInputs(loops, replay, optimistic, n_draft, planes, budget, capacity, self.stop_ids,
+                          np.int32(iterations))
 
     @staticmethod
     def _step_inputs(rows: Sequence[StepRow], B: int, R: int) -> tuple[VerifyInputs, ChainInputs]:
@@ -358,26 +373,25 @@ class Runtime:
             (out, _), self.state = self._step(
                 self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
                 replay=self._replay_inputs([], B, T, final_only), final_only=final_only, n_max=self.mtp_chain_max,
-                max_iterations=max_iterations, draft_vocab=self.draft_vocab,
+                max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
             )  # fmt: skip
             jax.block_until_ready(out.tokens)
             yield B, T
 
     def calibrate(self, repeats: int = 5, spare_planes: Sequence[int] = ()) -> Calibration:
         """Time warm steps of every batch bucket B on rows that feed the trash page from the null plane and write
-        nothing else: a decoding step (T = 1), a verify step of 1 + n_chain_max tokens, (with MTP drafting) the
-        same verify step chaining n_chain_max drafts on device, whose extra time over n_chain_max is what one
-        chained draft adds (a call's time cannot be split into its parts afterwards), and (with a replay pool) the
-        replay rebuild alone over every row and n_max drafts, writing nothing: what a step with replay rows adds
-        (too little, at small shapes, to be told from a step's noise as a difference of two steps), and the verify
-        steps of every compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before
-        `last` can lead to (what checkpoint rollback costs). With `spare_planes` (planes no sequence holds, which
-        it overwrites), also the one-row verify step writing the state after each of its tokens into them, whose
-        extra time per plane is what snapshot rollback's writes cost (`plane_write_seconds`; the two run in turn,
-        and less the spread of the runs without writes, so that noise is not taken for a cost). The minimum of
-        `repeats` runs each; call after `warmup` (these shapes compile; the rebuild compiles here). Also keeps the
-        chain, rebuild, step and write costs for `chain_cost`, `rebuild_cost`, `step_costs` and
-        `plane_write_seconds`."""
+        nothing else: a decoding step (T = 1), a verify step of 1 + n_chain_max tokens, (with MTP drafting) the same
+        verify step chaining n_chain_max drafts on device, whose extra time over n_chain_max is what one chained draft
+        adds (a call's time cannot be split into its parts afterwards), and (with a replay pool) one pass of the replay
+        rebuild alone over n_max drafts, writing nothing: what a step adds per pass its wrong planes need (too little,
+        at small shapes, to be told from a step's noise as a difference of two steps), and the verify steps of every
+        compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before `last` can lead to (what
+        checkpoint rollback costs). With `spare_planes` (planes no sequence holds, which it overwrites), also the
+        one-row verify step writing the state after each of its tokens into them, whose extra time per plane is what
+        snapshot rollback's writes cost (`plane_write_seconds`; the two run in turn, and less the spread of the runs
+        without writes, so that noise is not taken for a cost). The minimum of `repeats` runs each; call after `warmup`
+        (these shapes compile; the rebuild compiles here). Also keeps the chain, rebuild, step and write costs for
+        `chain_cost`, `rebuild_cost`, `step_costs` and `plane_write_seconds`."""
         calibration = Calibration()
         if self.shapes is None:
             return calibration
@@ -425,17 +439,22 @@ class Runtime:
         """Seconds one chained draft adds to a step of n_rows rows (0 before `calibrate`)."""
         return self.chain_seconds.get(self._batch_bucket(n_rows), 0.0)
 
+    def _rebuild_pass_rows(self, B: int) -> int:
+        """Rows one pass of the replay rebuild covers in a step of B (padded) rows."""
+        return min(self.rebuild_rows, B) if self.rebuild_rows > 0 else B
+
     def _time_rebuild(self, B: int, repeats: int) -> float:
-        """The minimum over `repeats` runs (after one that compiles) of the replay rebuild over B rows, every row
-        applying all replay_tokens recorded drafts and writing nothing (planes -1)."""
-        none = np.full((B,), -1, np.int32)
-        n_keep = np.full((B,), self.replay_tokens, np.int32)
-        hidden = np.zeros((B, self.model.cfg.n_embd), np.float32)
+        """The minimum over `repeats` runs (after one that compiles) of one pass of the replay rebuild in a step
+        of B rows, every row of it applying all replay_tokens recorded tokens and writing nothing (targets -1)."""
+        rows = self._rebuild_pass_rows(B)
+        none, first = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
+        n_keep = np.full((rows,), self.replay_tokens, np.int32)
+        hidden = np.zeros((rows, self.model.cfg.n_embd), np.float32)
         seconds = float("inf")
         for i in range(repeats + 1):
             start = time.perf_counter()
-            self.state = self._rebuild(self.model.weights, state=self.state, plane=none, slot=none, n_keep=n_keep,
-                                       hidden=hidden)  # fmt: skip
+            self.state = self._rebuild(self.model.weights, state=self.state, source=first, target=none, slot=first,
+                                       n_keep=n_keep, hidden=hidden)  # fmt: skip
             jax.block_until_ready(self.state.ssm)
             seconds = seconds if i == 0 else min(seconds, time.perf_counter() - start)
         return seconds
@@ -446,9 +465,12 @@ class Runtime:
         B = self._batch_bucket(n_rows)
         return tuple(sorted((T, seconds) for (b, T), seconds in self.step_seconds.items() if b == B))
 
-    def rebuild_cost(self, n_rows: int) -> float | None:
-        """Seconds the replay rebuild adds to a step of n_rows rows (None before `calibrate`)."""
-        return self.rebuild_seconds.get(self._batch_bucket(n_rows))
+    def rebuild_cost(self, n_rows: int) -> tuple[float, int] | None:
+        """(seconds, rows) of one pass of the replay rebuild in a step of n_rows rows, which rebuilds as many
+        passes as its wrong planes need (None before `calibrate`)."""
+        B = self._batch_bucket(n_rows)
+        seconds = self.rebuild_seconds.get(B)
+        return None if seconds is None else (seconds, self._rebuild_pass_rows(B))
 
     def warmup_chain(self) -> Iterator[tuple[int, int]]:
         """Compile a draft model's chain and catch-up shapes, one (B, T) per iteration, as `warmup` does."""

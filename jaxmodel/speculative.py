@@ -51,12 +51,17 @@ class ChainInputs:
 
 @pytree
 class ReplayInputs:
-    """Rows in replay rollback (docs/design.md "Rollback"). Such a row's forward writes the state after `last` into
-    `plane` and records its drafts' GDN inputs in replay slot b (its row); after verification the state is advanced
-    there by the accepted drafts (`model.rebuild`), in the same call, when `run` is set."""
+    """Rows in replay rollback (docs/design.md "Rollback"); the replay slot of row b is slot b. A row writes one
+    state into `plane` and records GDN inputs in its slot, in one of two ways:
+    - forward (optimistic False): the state after `last`, recording the drafts; after verification the state is
+      advanced there by the accepted drafts, so it is wrong when some draft is accepted;
+    - optimistic: the state after its last draft, recording `last` and the drafts; wrong when some draft is
+      rejected, then rebuilt from the row's read plane over `last` and the accepted drafts. Only for rows whose
+      read plane holds the state before `last` (no replayed tokens before it).
+    Only the rows whose plane is wrong are rebuilt (`model.rebuild`), in the same call."""
 
     plane: jax.Array  # [B] int32, the row's write plane; -1: not a replay row
-    run: jax.Array  # [] bool: some row replays (the rebuild is skipped otherwise)
+    optimistic: jax.Array  # [B] bool
 
 
 @pytree
@@ -153,7 +158,7 @@ def _chain(weights, cfg, page_table, own_hidden, bonus_position, chaining, chain
 def iteration(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
     chain: ChainInputs, replay: ReplayInputs | None = None, *, final_only: bool = False, n_max: int = 0,
-    draft_vocab: int | None = None,
+    draft_vocab: int | None = None, rebuild_rows: int = 0,
 ) -> tuple[SpeculativeOutput, ModelState]:
     """Target forward, verification and (n_max > 0, the model has MTP) the next MTP drafts.
 
@@ -165,28 +170,24 @@ def iteration(
     batch as `forward`; rows verify their drafts `verify_in.drafts` (the last n_drafts of their tokens). Rows
     without logit rows (intermediate prompt chunks) commit nothing: their n_accepted is 0 and their tokens are
     to be ignored. replay: rows in replay rollback, whose state after the accepted drafts is rebuilt after
-    verification (needs the state's replay pool). Returns the small outputs and the new state.
+    verification where their written plane is wrong (needs the state's replay pool), rebuild_rows rows per pass
+    (`replay_rebuild`). Returns the small outputs and the new state.
     """
     B = batch.tokens.shape[0]
     hidden_before = read_planes(state.hidden, batch.read_plane)  # [B, E] before the step overwrites planes
     replaying = replay is not None and bool(state.replay)
-    slot = jnp.where(replay.plane >= 0, jnp.arange(B, dtype=jnp.int32), -1) if replaying else None
-    record = Record(slot, batch.n_tokens - verify_in.n_drafts) if replaying else None
+    record = None
+    if replaying:  # records from the first draft, or from `last` when optimistic
+        slot = jnp.where(replay.plane >= 0, jnp.arange(B, dtype=jnp.int32), -1)
+        record = Record(slot, batch.n_tokens - verify_in.n_drafts - replay.optimistic.astype(jnp.int32))
     out, state = forward(weights, cfg, batch, state, final_only=final_only, record=record)
     n_accepted, tokens = verify(out.logits, verify_in.drafts, None, verify_in.n_drafts, verify_in.sampling,
                                 verify_in.positions)  # fmt: skip
     n_kept = batch.n_tokens - verify_in.n_drafts + n_accepted  # leading fed tokens committed
     if replaying:
         kept_hidden = jnp.take_along_axis(out.hidden, jnp.maximum(n_kept - 1, 0)[:, None, None], axis=1)[:, 0]
-        # The KV pages stay out of the branch: it changes only the GDN and hidden pools (in place; none is copied).
-        gdn = dataclasses.replace(state, k_pages=(), v_pages=())
-        gdn = jax.lax.cond(
-            replay.run,
-            lambda gdn: rebuild(weights, cfg, gdn, replay.plane, slot, n_accepted, kept_hidden),
-            lambda gdn: gdn,
-            gdn,
-        )  # fmt: skip
-        state = dataclasses.replace(gdn, k_pages=state.k_pages, v_pages=state.v_pages)
+        state = replay_rebuild(weights, cfg, state, replay, batch.read_plane, verify_in.n_drafts, n_accepted,
+                               kept_hidden, rebuild_rows)  # fmt: skip
     if n_max == 0 or weights.mtp is None:
         empty = jnp.zeros((B, 1), jnp.int32)
         return SpeculativeOutput(n_accepted, tokens, empty, jnp.zeros((B,), jnp.int32)), state
@@ -210,6 +211,40 @@ def iteration(
     return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), state
 
 
+def replay_rebuild(
+    weights: Weights, cfg: ModelConfig, state: ModelState, replay: ReplayInputs, read_plane: jax.Array,
+    n_drafts: jax.Array, n_accepted: jax.Array, hidden: jax.Array, rows_per_pass: int = 0,
+) -> ModelState:
+    """Rebuild the replay rows whose written plane is wrong after verification (see `ReplayInputs`): a forward
+    row that accepted a draft, advanced in place by them; an optimistic row that rejected one, rebuilt from
+    read_plane [B] over `last` and the accepted drafts. n_drafts, n_accepted [B]; hidden [B, E] the target's
+    post-norm hidden of each row's last kept token.
+
+    Those rows go first and are rebuilt rows_per_pass at a time (0: all rows of the batch in one pass), as many
+    passes as they need, none when no plane is wrong. The rebuild's work is moving whole states through memory, so
+    on CPU one row per pass costs what its row does (a pass of B rows costs B of them however few are wrong);
+    a GPU rebuilds a batch in about the time of one row, so there one pass of all rows is best."""
+    B = replay.plane.shape[0]
+    optimistic = replay.optimistic
+    source = jnp.where(optimistic, read_plane, replay.plane)
+    n_keep = jnp.where(optimistic, 1 + n_accepted, n_accepted)
+    wrong = (replay.plane >= 0) & jnp.where(optimistic, n_accepted < n_drafts, n_accepted > 0)
+    per_pass = min(rows_per_pass, B) if rows_per_pass > 0 else B
+    order = jnp.argsort((~wrong).astype(jnp.int32), stable=True).astype(jnp.int32)  # the wrong rows first
+    order = jnp.concatenate([order, jnp.zeros((per_pass,), jnp.int32)])
+    n_wrong = jnp.sum(wrong.astype(jnp.int32))
+
+    def one_pass(i, gdn):
+        rows = jax.lax.dynamic_slice_in_dim(order, i * per_pass, per_pass)
+        target = jnp.where(i * per_pass + jnp.arange(per_pass) < n_wrong, replay.plane[rows], -1)
+        return rebuild(weights, cfg, gdn, source[rows], target, rows, n_keep[rows], hidden[rows])
+
+    # The KV pages stay out of the loop: it changes only the GDN and hidden pools (in place; none is copied).
+    gdn = dataclasses.replace(state, k_pages=(), v_pages=())
+    gdn = jax.lax.fori_loop(0, (n_wrong + per_pass - 1) // per_pass, one_pass, gdn)
+    return dataclasses.replace(gdn, k_pages=state.k_pages, v_pages=state.v_pages)
+
+
 @pytree
 class LoopInputs:
     """Rows that may run further iterations in the same call, without the host in between (all [B] unless noted).
@@ -217,12 +252,14 @@ class LoopInputs:
     A looping row feeds its bonus token and up to n_draft of the MTP head's drafts per iteration. In snapshot mode
     it reads its live plane and writes the state after each fed token into `planes` minus the live one, in order;
     after a accepted drafts the a-th of those becomes live. A `replay` row owns two planes: it writes the state
-    after the bonus into the other one, records its drafts' GDN inputs in its replay slot, and that plane, advanced
-    by the accepted drafts after verification, becomes live. The host's scheduler replays the same rules.
+    after the bonus (after its last draft when `optimistic`) into the other one, records GDN inputs in its replay
+    slot, and that plane, rebuilt after verification where wrong (`ReplayInputs`), becomes live. The host's
+    scheduler replays the same rules.
     """
 
     loops: jax.Array  # [B] bool
     replay: jax.Array  # [B] bool, rows in replay rollback (n_draft at most the replay pool's tokens)
+    optimistic: jax.Array  # [B] bool, replay rows that write the state after their last draft
     n_draft: jax.Array  # [B] int32, drafts per later iteration (0: plain decoding)
     planes: jax.Array  # [B, n_max + 2] int32, the planes the row owns (its read plane first), -1 padding
     budget: jax.Array  # [B] int32, tokens the row may still commit (max_tokens, context length)
@@ -264,19 +301,20 @@ def speculative_step(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
     chain: ChainInputs, loop: LoopInputs | None = None, replay: ReplayInputs | None = None, *,
     final_only: bool = False, n_max: int = 0, max_iterations: int = 1, draft_vocab: int | None = None,
+    rebuild_rows: int = 0,
 ) -> tuple[tuple[SpeculativeOutput, LoopOutput | None], ModelState]:
     """One engine step in one call: `iteration` over the batch, then, for the rows `loop` lets continue, up to
     loop.n_iterations - 1 more iterations (each feeding the bonus token and the MTP drafts of the one before),
     stopping a row at an end-of-generation id, its token budget or the end of its pages.
 
     replay: rows in replay rollback in the first iteration (None: no row of this step shape can replay, and no
-    later iteration replays either).
+    later iteration replays either); rebuild_rows: rows per pass of their rebuild (`replay_rebuild`).
 
     Returns the first iteration's output (its drafts are the ones after the row's last iteration), the later
     iterations' record (None without `loop`) and the state.
     """
     first, state = iteration(weights, cfg, batch, state, verify_in, chain, replay, final_only=final_only,
-                             n_max=n_max, draft_vocab=draft_vocab)  # fmt: skip
+                             n_max=n_max, draft_vocab=draft_vocab, rebuild_rows=rebuild_rows)  # fmt: skip
     if loop is None or max_iterations <= 1:
         return (first, None), state
     B, T = batch.tokens.shape
@@ -303,19 +341,21 @@ def speculative_step(
         tokens = jnp.concatenate([bonus[:, None], drafts], axis=1)
         tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, W]
         write_pool = _next_write_planes(loop.planes, live)[:, :W]
+        writes = jnp.where(active[:, None] & (index <= n_fed[:, None]), write_pool, -1)
+        after_last_draft = jnp.where(index == n_fed[:, None], write_pool[:, :1], -1)
+        writes = jnp.where((active & loop.replay & loop.optimistic)[:, None], after_last_draft, writes)
         step = StepBatch(
             tokens=tokens, positions=start[:, None] + index, n_tokens=jnp.where(active, 1 + n_fed, 0),
-            page_table=batch.page_table, read_plane=live,
-            write_planes=jnp.where(active[:, None] & (index <= n_fed[:, None]), write_pool, -1),
+            page_table=batch.page_table, read_plane=live, write_planes=writes,
             logit_rows=jnp.broadcast_to(index, (B, W)),
         )  # fmt: skip
         verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
         chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), loop.n_draft, -1), chain.p_min)
         replaying = active & loop.replay & (n_fed > 0)
         replay_j = None if replay is None else ReplayInputs(jnp.where(replaying, write_pool[:, 0], -1),
-                                                             jnp.any(replaying))  # fmt: skip
+                                                             replaying & loop.optimistic)  # fmt: skip
         out, state = iteration(weights, cfg, step, state, verify_j, chain_j, replay_j, n_max=n_max,
-                               draft_vocab=draft_vocab)  # fmt: skip
+                               draft_vocab=draft_vocab, rebuild_rows=rebuild_rows)  # fmt: skip
         a = out.n_accepted
         record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
                             tokens=record.tokens.at[j - 1].set(out.tokens), n_drafts=record.n_drafts.at[j - 1].set(n_fed))

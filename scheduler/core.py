@@ -82,6 +82,7 @@ class _RowSpec:
     n_feed: int
     draft_max: int = 0
     mode: Mode | None = None
+    optimistic: bool = False
 
 
 class Scheduler:
@@ -371,7 +372,7 @@ class Scheduler:
             spec = by_id[decision.seq_id]
             spec.seq.pages += self.memory.take_pages(decision.new_pages)
             spec.seq.planes += self.memory.take_planes(decision.new_planes)
-            spec.draft_max, spec.mode = decision.n_drafts, decision.mode
+            spec.draft_max, spec.mode, spec.optimistic = decision.n_drafts, decision.mode, decision.optimistic
             budget -= decision.n_drafts
         return budget
 
@@ -382,14 +383,17 @@ class Scheduler:
         return Row(seq_id=seq.request.seq_id, fed=tuple(seq.tokens[seq.n_computed:seq.n_computed + spec.n_feed]),
                    start=seq.n_computed, read_plane=seq.live_plane, pages=tuple(seq.pages),
                    needs_logits=spec.n_feed == seq.to_compute, draft_max=spec.draft_max, mode=spec.mode,
-                   write_pool=tuple(spare[:n_write]))
+                   write_pool=tuple(spare[:n_write]), optimistic=spec.optimistic)
 
     def _roll(self, seq: _Sequence, row: Row, n_accepted: int, trim: bool = True) -> None:
         """Move the live plane and n_computed after verification (tokens are appended by `_commit`)."""
         n_drafts = len(row.drafts)
         writes = row.write_planes
-        if row.mode in ("snapshot", "replay"):  # replay: the plane after `last`, advanced on device
-            seq.live_plane = writes[len(row.fed) - 1 + (n_accepted if row.mode == "snapshot" else 0)]
+        if row.mode == "snapshot":
+            seq.live_plane = writes[len(row.fed) - 1 + n_accepted]
+            seq.n_computed = row.start + len(row.fed) + n_accepted
+        elif row.mode == "replay":  # the plane it wrote, rebuilt on device where wrong
+            seq.live_plane = row.write_pool[0]
             seq.n_computed = row.start + len(row.fed) + n_accepted
         elif n_accepted == n_drafts:
             seq.live_plane = writes[-1]

@@ -203,8 +203,8 @@ class Engine:
         as one of them)."""
         n_rows = max(self.scheduler.n_running, 1)
         per_token = self.policy.token_seconds(n_rows)
-        rebuild = self.runtime.rebuild_cost(n_rows)
-        return RollbackCosts(token_seconds=per_token, rebuild_seconds=per_token if rebuild is None else rebuild,
+        rebuild_seconds, rebuild_rows = self.runtime.rebuild_cost(n_rows) or (per_token, 0)
+        return RollbackCosts(token_seconds=per_token, rebuild_seconds=rebuild_seconds, rebuild_rows=rebuild_rows,
                              step_seconds=self.runtime.step_costs(n_rows),
                              plane_write_seconds=self.runtime.plane_write_seconds or 0.0)
 
@@ -220,9 +220,7 @@ class Engine:
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
-        # Counted in every iteration of the call: a row that replays usually drafts in each of its iterations.
-        replaying = [r.replay or (r.loop is not None and r.loop.replay) for r in rows]
-        rebuild_seconds = (self.runtime.rebuild_cost(len(rows)) or 0.0) * n_iterations if any(replaying) else 0.0
+        rebuild_seconds = self._rebuild_seconds(rows, results)
         self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),
                                   plan.n_tokens, n_iterations, len(plan.rows))  # fmt: skip
         n_chained = sum(n for _, n in chaining)
@@ -230,6 +228,26 @@ class Engine:
             name = self._device_drafter(row)
             if name is not None:
                 self.policy.record_proposal(name, chain_seconds * n_chain / n_chained, n_chain)
+
+    def _rebuild_seconds(self, rows: list[StepRow], results) -> float:
+        """What a device call spent rebuilding replay rows: per iteration, a calibrated pass per rebuild_rows of
+        its wrong planes (a forward row that accepted a draft, an optimistic one that rejected one)."""
+        cost = self.runtime.rebuild_cost(len(rows))
+        if cost is None:
+            return 0.0
+        seconds, per_pass = cost
+        wrong: dict[int, int] = {}  # iteration -> wrong planes
+        for r, result in zip(rows, results):
+            if r.replay:
+                rejected = result.n_accepted < len(r.drafts)
+                wrong[0] = wrong.get(0, 0) + (rejected if r.optimistic else result.n_accepted > 0)
+            if r.loop is not None and r.loop.replay:
+                for j, later in enumerate(result.more, start=1):
+                    if later.drafts:
+                        rejected = later.n_accepted < len(later.drafts)
+                        wrong[j] = wrong.get(j, 0) + (rejected if r.loop.optimistic else later.n_accepted > 0)
+        per_pass = per_pass or len(rows)
+        return seconds * sum(-(-n // per_pass) for n in wrong.values())
 
     def _observe(self, seq_id, drafter: str | None, drafted: int, accepted: int, committed) -> None:
         if drafter is not None:
@@ -265,9 +283,9 @@ class Engine:
                 and row.drafter in (None, device) and not request.stop_strings):
             n_draft = min(max(n_chain, 0), row.draft_max) if device is not None and row.mode is not None else 0
             loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id),
-                           replay=row.mode == "replay")  # fmt: skip
+                           replay=row.mode == "replay", optimistic=row.optimistic)  # fmt: skip
         return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop,
-                       replay=row.mode == "replay" and bool(row.drafts))
+                       replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic)
 
     def _plan_drafts(self) -> dict[SeqId, list[Choice]]:
         """The policy's drafters and lengths, in order, for every sequence that may draft this step, chosen before

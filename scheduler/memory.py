@@ -15,9 +15,13 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
 2. Mode: the cheapest that fits. Snapshot needs d + 1 planes to write besides the one it reads, i.e.
    `d + 1 - spare` extra planes, and costs writing d more GDN states than the other modes do
    (`RollbackCosts.plane_write_seconds`, timed at calibration in planes the engine lends while idle; at the 0.8B
-   shape a state is 19.3 MB). Replay and checkpoint need no plane beyond the two a sequence holds. Replay costs the rebuild, measured per step
-   (`RollbackCosts.rebuild_seconds`): the device applies the accepted drafts to the state after `last` again, for
-   every row of the step at once, so a step pays it once however many rows replay. Checkpoint costs the tokens it
+   shape a state is 19.3 MB). Replay and checkpoint need no plane beyond the two a sequence holds. Replay costs the
+   rebuild of the rows whose written state turns out wrong: a row writes the state after `last` (wrong when a
+   draft is accepted, chance alpha) or, optimistically, after its last draft (wrong when one is rejected,
+   1 - alpha^d), whichever is likelier right (`replays_optimistically`; only without replayed tokens). The device
+   rebuilds the wrong rows in passes of a few rows (one on CPU, where a pass costs what its rows do; all of the
+   step's on a GPU), each pass timed at calibration (`RollbackCosts.rebuild_seconds`, `expected_rebuild`).
+   Checkpoint costs the tokens it
    replays next step: with per-token acceptance alpha (the policy's estimate), d drafts and p replayed tokens
    before `last`, it replays p + 1 + k tokens when k < d drafts are accepted and nothing when all are
    (`expected_replay = sum_{k<d} alpha^k (1 - alpha) (p + 1 + k)` in expectation). Steps are padded to a few
@@ -34,9 +38,9 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
      (d = 0 always fits). These go first: they were promised.
    - rollback="replay": replay, the draft cut to the replay pool's tokens.
    - rollback="auto": the sequences that may snapshot are ranked by the expected replayed tokens snapshot saves
-     per extra plane, and taken in that order while planes remain. The rest replay when the step's rebuild costs
-     less than what their checkpoints would together cost next step, or is paid anyway (a forced replay row in
-     the step), and checkpoint otherwise (without a replay pool they checkpoint). Of the ranked sequences,
+     per extra plane, and taken in that order while planes remain. The rest replay when the rebuild passes they
+     add (to those of the step's forced replay rows) cost less than what their checkpoints would together cost
+     next step, and checkpoint otherwise (without a replay pool they checkpoint). Of the ranked sequences,
      snapshot goes to the leading ones for which its writes plus the rest's mode cost least (all of them when
      writes are free: snapshot is then the cheapest mode where it fits).
    `reserve_planes` is kept free for the admission of waiting requests, so borrowed planes never keep a new
@@ -103,11 +107,32 @@ def expected_replay(alpha: float, n_drafts: int, n_pending: int) -> float:
     return sum(alpha**k * (1.0 - alpha) * (n_pending + 1 + k) for k in range(n_drafts))
 
 
+def replays_optimistically(alpha: float, n_drafts: int, n_pending: int) -> bool:
+    """Whether a replay row writes the state after its last draft (optimistic) rather than after `last`
+    (`jaxmodel.speculative.ReplayInputs`): its plane is then wrong, and rebuilt, when a draft is rejected
+    (1 - alpha^d) instead of when one is accepted (alpha), so it is taken when that is the likelier to be right.
+    Only rows without replayed tokens before `last` may (the rebuild starts from the read plane at `last`).
+
+    >>> replays_optimistically(0.9, 4, 0), replays_optimistically(0.6, 4, 0), replays_optimistically(0.9, 4, 2)
+    (True, False, False)
+    """
+    return n_pending == 0 and n_drafts > 0 and alpha**n_drafts >= 1.0 - alpha
+
+
+def rebuild_chance(alpha: float, n_drafts: int, n_pending: int) -> float:
+    """The chance that a replay row's plane is wrong after verification and is rebuilt (see
+    `replays_optimistically`)."""
+    if replays_optimistically(alpha, n_drafts, n_pending):
+        return 1.0 - alpha**n_drafts
+    return alpha if n_drafts > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class RollbackCosts:
     """What the non-snapshot modes cost, in seconds (the engine measures them; any unit works if shared).
 
-    rebuild_seconds: what the replay rebuild adds to a step (once per step, whichever rows replay).
+    rebuild_seconds: one pass of the replay rebuild, which covers rebuild_rows rows (0: every row of the step): a
+        step runs as many passes as its wrong planes need (`expected_rebuild`).
     step_seconds: ((tokens per row, seconds), ...) ascending: a step of this many rows at each compiled length
         (steps are padded to these lengths, so a step costs the smallest one that holds its longest row). What a
         checkpoint's replayed tokens cost is the longer next step they cause. Empty: not measured.
@@ -120,17 +145,37 @@ class RollbackCosts:
     rebuild_seconds: float = 1.0
     step_seconds: tuple[tuple[int, float], ...] = ()
     plane_write_seconds: float = 0.0
+    rebuild_rows: int = 0
 
-    def rest(self, rows: Sequence[tuple[float, int, int, int | None]], replay_tokens: int, rebuild_paid: bool
-             ) -> tuple[Mode | None, float]:
+    def expected_rebuild(self, chances: Sequence[float]) -> float:
+        """Expected seconds of the rebuild passes for replay rows each wrong with its chance: rebuild_seconds
+        times the expected passes, ceil(wrong rows / rebuild_rows), one at most when a pass covers every row.
+
+        >>> RollbackCosts(rebuild_seconds=2.0, rebuild_rows=1).expected_rebuild([0.5, 0.5])  # 2 x 0.5 passes
+        2.0
+        >>> RollbackCosts(rebuild_seconds=2.0).expected_rebuild([0.5, 0.5])  # one pass unless neither is wrong
+        1.5
+        """
+        wrong = [1.0]  # wrong[n]: the chance that n rows are wrong
+        for p in chances:
+            wrong = [(wrong[n] if n < len(wrong) else 0.0) * (1.0 - p) + (wrong[n - 1] * p if n > 0 else 0.0)
+                     for n in range(len(wrong) + 1)]  # fmt: skip
+        per_pass = self.rebuild_rows if self.rebuild_rows > 0 else max(len(chances), 1)
+        return self.rebuild_seconds * sum(q * -(-n // per_pass) for n, q in enumerate(wrong))
+
+    def rest(self, rows: Sequence[tuple[float, int, int, int | None]], replay_tokens: int,
+             replaying: Sequence[float] = ()) -> tuple[Mode | None, float]:
         """The mode rows of (alpha, d, p, pending_max) that do not snapshot take together, and its expected
-        seconds: replay when the step's rebuild costs less than their checkpoints would (or is paid anyway by a
-        forced replay row), else checkpoint; replay needs a replay pool (replay_tokens > 0)."""
+        seconds: replay when the rebuild passes they add to those of the step's forced replay rows (`replaying`:
+        their `rebuild_chance`s) cost less than their checkpoints would, else checkpoint; replay needs a replay
+        pool (replay_tokens > 0)."""
         if not rows:
             return None, 0.0
         checkpoint = self.checkpoint(rows)
-        if replay_tokens > 0 and (rebuild_paid or self.rebuild_seconds < checkpoint):
-            return "replay", 0.0 if rebuild_paid else self.rebuild_seconds
+        chances = [rebuild_chance(alpha, min(d, replay_tokens), p) for alpha, d, p, _ in rows]
+        replay = self.expected_rebuild([*replaying, *chances]) - self.expected_rebuild(replaying)
+        if replay_tokens > 0 and replay < checkpoint:
+            return "replay", replay
         return "checkpoint", checkpoint
 
     def step(self, n_tokens: int) -> float | None:
@@ -218,13 +263,15 @@ class DraftCandidate:
 
 @dataclass(frozen=True)
 class DraftDecision:
-    """mode is None when no draft fits (n_drafts = 0)."""
+    """mode is None when no draft fits (n_drafts = 0). optimistic: a replay row writes the state after its last
+    draft (`replays_optimistically`)."""
 
     seq_id: SeqId
     mode: Mode | None
     n_drafts: int
     new_pages: int
     new_planes: int
+    optimistic: bool = False
 
 
 def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, free_pages: int, free_planes: int,
@@ -281,20 +328,22 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
         if extra <= free_planes:
             fits.append(i)
             free_planes -= extra
-    # The rest replay or checkpoint together: the rebuild, like the longer step checkpoints cause, is paid once. So
-    # snapshot goes to the prefix of `fits` for which its writes plus the rest's mode cost least (the longest on ties).
-    rebuild_paid = "replay" in modes.values()
+    # The rest replay or checkpoint together: the longer step checkpoints cause is paid once, and so may a rebuild
+    # pass be. So snapshot goes to the prefix of `fits` for which its writes plus the rest's mode cost least (the
+    # longest on ties).
+    replaying = [rebuild_chance(c.alpha, lengths[i], c.n_pending) for i, c in enumerate(candidates)
+                 if modes[i] == "replay"]  # fmt: skip
 
     def cost(n_snapshot: int) -> float:
         writes = sum(lengths[i] for i in fits[:n_snapshot]) * costs.plane_write_seconds
         rest = [row(i) for i in auto if i not in fits[:n_snapshot]]
-        return writes + costs.rest(rest, replay_tokens, rebuild_paid)[1]
+        return writes + costs.rest(rest, replay_tokens, replaying)[1]
 
     n_snapshot = min(range(len(fits), -1, -1), key=cost)
     for i in fits[:n_snapshot]:
         modes[i] = "snapshot"
     rest = sorted(i for i in auto if i not in fits[:n_snapshot])
-    mode, _ = costs.rest([row(i) for i in rest], replay_tokens, rebuild_paid)
+    mode, _ = costs.rest([row(i) for i in rest], replay_tokens, replaying)
     for i in rest:
         if mode == "replay":
             d = min(lengths[i], replay_tokens)
@@ -306,7 +355,8 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
     for i, c in enumerate(candidates):
         d = lengths[i] if modes[i] else 0
         extra = extra_planes(c, d) if modes[i] == "snapshot" else 0
-        out.append(DraftDecision(c.seq_id, modes[i], d, new_pages(c, d), extra))
+        optimistic = modes[i] == "replay" and replays_optimistically(c.alpha, d, c.n_pending)
+        out.append(DraftDecision(c.seq_id, modes[i], d, new_pages(c, d), extra, optimistic))
     return tuple(out)
 
 

@@ -104,6 +104,8 @@ class Row:
     draft_max: the most drafts `StepPlan.with_drafts` accepts for this row (0: none).
     mode: the rollback mode of this step when it may carry drafts, else None.
     write_pool: planes the sequence may write this step (snapshot: draft_max + 1 of them; otherwise one).
+    optimistic: in replay mode, the row writes the state after its last draft rather than after `last`
+        (`scheduler.memory.replays_optimistically`; only rows with `last` as their only fed token).
     """
 
     seq_id: SeqId
@@ -117,6 +119,7 @@ class Row:
     write_pool: tuple[int, ...]
     drafts: tuple[int, ...] = ()
     drafter: str | None = None
+    optimistic: bool = False
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -133,14 +136,15 @@ class Row:
         """[n] the plane receiving the state after each token, -1 for none.
 
         Snapshot: the state after `last` and after every draft (len(drafts) + 1 planes). Replay: the state after
-        `last`, which the device advances by the accepted drafts after verification. Otherwise (checkpoint, a plain
-        step, a prompt chunk): only the state after the final token.
+        `last`, which the device advances by the accepted drafts after verification. Otherwise (checkpoint,
+        optimistic replay, a plain step, a prompt chunk): only the state after the final token; optimistic replay
+        rebuilds it on device when a draft is rejected.
         """
         n = len(self.fed) + len(self.drafts)
         if self.mode == "snapshot":
             keep = len(self.drafts) + 1
             return (-1,) * (n - keep) + self.write_pool[:keep]
-        if self.mode == "replay":
+        if self.mode == "replay" and not self.optimistic:
             return (-1,) * (len(self.fed) - 1) + self.write_pool[:1] + (-1,) * len(self.drafts)
         return (-1,) * (n - 1) + self.write_pool[:1]
 

@@ -80,9 +80,10 @@ def test_chunked_scan_matches_reference(n_tokens, dk, chunk_size):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3, 4, 5])
-def test_advance_planes_matches_reference_in_place(n_tokens):
-    """Replay's rebuild: each row's plane advanced by its tokens (padding past a row's kept ones) and
-    overwritten; a row naming no plane writes nothing, and every other plane stays as it was, bit for bit."""
+def test_advance_planes_matches_reference(n_tokens):
+    """Replay's rebuild: each row's source plane advanced by its tokens (padding past a row's kept ones) and
+    written to its target, the source itself (in place) or another plane; a row naming no target writes nothing,
+    and every other plane stays as it was, bit for bit."""
     rng = np.random.default_rng(50 + n_tokens)
     n_rows, n_planes = 4, 7
     _, k, v, g, beta = random_inputs(rng, n_rows, n_tokens, 2, 4, 16, 16)
@@ -90,11 +91,12 @@ def test_advance_planes_matches_reference_in_place(n_tokens):
     padding = np.arange(n_tokens)[None, :] >= n_keep[:, None]
     g[padding], beta[padding] = 0.0, 0.0
     pool = rng.normal(size=(n_planes, 4, 16, 16)).astype(np.float32)
-    planes = np.array([3, 5, 1, -1], np.int32)
-    advanced = np.asarray(jax.jit(advance_planes)(k, v, g, beta, pool, planes))
-    ref = delta_rule_reference(k, k, v, g, beta, pool[np.maximum(planes, 0)])
+    source = np.array([3, 2, 1, 6], np.int32)
+    target = np.array([3, 5, 1, -1], np.int32)  # in place, into another plane, in place, nowhere
+    advanced = np.asarray(jax.jit(advance_planes)(k, v, g, beta, pool, source, target))
+    ref = delta_rule_reference(k, k, v, g, beta, pool[source])
     tol = tolerance(n_tokens)
-    for row, plane in enumerate(planes[:3]):
+    for row, plane in enumerate(target[:3]):
         np.testing.assert_allclose(advanced[plane], ref.final_state[row], atol=tol, rtol=tol, err_msg=f"row {row}")
     untouched = [0, 2, 4, 6]
     np.testing.assert_array_equal(advanced[untouched], pool[untouched])

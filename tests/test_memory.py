@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.memory import (DraftCandidate, MemoryManager, PoolSizes, RollbackCosts, decide_drafts,
-                              expected_replay, forbidden_draft_rate, pages_for, pool_sizes)
+                              expected_replay, forbidden_draft_rate, pages_for, pool_sizes, rebuild_chance,
+                              replays_optimistically)
 
 
 def cand(seq_id, want=4, preference="auto", kv_end=1, pages_owned=1, spare=1, pending=0, alpha=0.5):
@@ -17,10 +18,10 @@ def cand(seq_id, want=4, preference="auto", kv_end=1, pages_owned=1, spare=1, pe
                           n_pending=pending, alpha=alpha)
 
 
-def decide(cands, *, budget=100, pages=100, planes=100, page_size=4, replay_tokens=0, rebuild=1.0):
+def decide(cands, *, budget=100, pages=100, planes=100, page_size=4, replay_tokens=0, rebuild=1.0, rebuild_rows=0):
+    costs = RollbackCosts(token_seconds=1.0, rebuild_seconds=rebuild, rebuild_rows=rebuild_rows)
     return {d.seq_id: d for d in decide_drafts(cands, token_budget=budget, free_pages=pages, free_planes=planes,
-                                               page_size=page_size, replay_tokens=replay_tokens,
-                                               costs=RollbackCosts(token_seconds=1.0, rebuild_seconds=rebuild))}
+                                               page_size=page_size, replay_tokens=replay_tokens, costs=costs)}
 
 
 def test_pool_sizes_split_bytes():
@@ -108,17 +109,52 @@ def test_auto_spends_planes_where_they_save_most_replay():
 
 
 def test_auto_falls_back_to_replay_when_the_rebuild_costs_less_than_the_replayed_tokens():
-    # No plane to borrow; expected_replay(0.5, 4, 0) = 1.625 tokens each, at 1 second per token.
+    # No plane to borrow; expected_replay(0.5, 4, 0) = 1.625 tokens each, at 1 second per token, 3.25 for both.
+    # At alpha 0.5 and d = 4 a row writes the state after `last`, wrong (and rebuilt) when a draft is accepted: 1/2.
     two = [cand("a"), cand("b")]
-    assert {d.mode for d in decide(two, planes=0, replay_tokens=4, rebuild=3.0).values()} == {"replay"}
-    assert {d.mode for d in decide(two, planes=0, replay_tokens=4, rebuild=3.5).values()} == {"checkpoint"}
+    # One pass for every row: rebuilt unless neither is wrong, 3/4 of the steps.
+    assert {d.mode for d in decide(two, planes=0, replay_tokens=4, rebuild=4.0).values()} == {"replay"}
+    assert {d.mode for d in decide(two, planes=0, replay_tokens=4, rebuild=4.5).values()} == {"checkpoint"}
+    # A pass per wrong row: one pass in expectation.
+    assert {d.mode for d in decide(two, planes=0, replay_tokens=4, rebuild=3.0, rebuild_rows=1).values()} == {
+        "replay"}
+    assert {d.mode for d in decide(two, planes=0, replay_tokens=4, rebuild=3.5, rebuild_rows=1).values()} == {
+        "checkpoint"}
     assert {d.mode for d in decide(two, planes=0, replay_tokens=0, rebuild=0.0).values()} == {"checkpoint"}
-    # A forced replay row pays the rebuild: auto rows replay along, whatever it costs.
-    out = decide([cand("a"), cand("r", preference="replay")], planes=0, replay_tokens=4, rebuild=1e9)
+    # Alone, "a" would pay half a pass (2.5 s > 1.625 s); beside a forced replay row sharing the pass, a quarter.
+    assert decide([cand("a")], planes=0, replay_tokens=4, rebuild=5.0)["a"].mode == "checkpoint"
+    out = decide([cand("a"), cand("r", preference="replay")], planes=0, replay_tokens=4, rebuild=5.0)
     assert (out["a"].mode, out["r"].mode) == ("replay", "replay")
+    out = decide([cand("a"), cand("r", preference="replay")], planes=0, replay_tokens=4, rebuild=5.0,
+                 rebuild_rows=1)  # a pass of its own
+    assert (out["a"].mode, out["r"].mode) == ("checkpoint", "replay")
     # Snapshot first where planes fit, whatever the fallback.
     out = decide([cand("sure", alpha=0.99), cand("half", alpha=0.5)], planes=4, replay_tokens=4, rebuild=0.0)
     assert (out["half"].mode, out["sure"].mode) == ("snapshot", "replay")
+
+
+def test_replay_rows_write_the_state_likelier_to_be_right():
+    """alpha^d >= 1 - alpha: optimistic (the state after the last draft), only without replayed tokens."""
+    assert replays_optimistically(0.9, 4, 0) and not replays_optimistically(0.6, 4, 0)
+    assert not replays_optimistically(0.9, 4, 1) and not replays_optimistically(0.9, 0, 0)
+    assert rebuild_chance(0.9, 4, 0) == pytest.approx(1 - 0.9**4)
+    assert rebuild_chance(0.6, 4, 0) == rebuild_chance(0.6, 4, 2) == 0.6  # wrong when the first draft is kept
+    assert rebuild_chance(0.9, 4, 2) == 0.9
+    out = decide([cand("sure", alpha=0.9), cand("half", alpha=0.5), cand("pending", alpha=0.9, pending=1)],
+                 planes=0, replay_tokens=4, rebuild=0.0)
+    assert {k: (d.mode, d.optimistic) for k, d in out.items()} == {
+        "sure": ("replay", True), "half": ("replay", False), "pending": ("replay", False)}
+
+
+def test_expected_rebuild_counts_the_passes_the_wrong_rows_need():
+    one_each, all_in_one = RollbackCosts(rebuild_seconds=1.0, rebuild_rows=1), RollbackCosts(rebuild_seconds=1.0)
+    two_each = RollbackCosts(rebuild_seconds=1.0, rebuild_rows=2)
+    chances = [0.5, 0.25, 1.0]
+    assert one_each.expected_rebuild(chances) == pytest.approx(1.75)
+    assert all_in_one.expected_rebuild(chances) == 1.0  # one row is always wrong
+    # Two rows per pass: 1 wrong (3/8) or 2 (1/2) -> one pass, 3 wrong (1/8) -> two.
+    assert two_each.expected_rebuild(chances) == pytest.approx(3 / 8 + 1 / 2 + 2 / 8)
+    assert one_each.expected_rebuild([]) == all_in_one.expected_rebuild([0.0, 0.0]) == 0.0
 
 
 def test_auto_weighs_the_states_snapshot_writes():
@@ -135,9 +171,10 @@ def test_auto_weighs_the_states_snapshot_writes():
     assert modes(0.0) == {"sure": ("snapshot", 4), "half": ("snapshot", 4)}
     assert modes(0.3) == {"sure": ("checkpoint", 0), "half": ("snapshot", 4)}  # 1.2 s < 1.625 s, > 0.098 s
     assert modes(0.5) == {"sure": ("checkpoint", 0), "half": ("checkpoint", 0)}
-    # With a replay pool the rest pay one rebuild for all of them, or checkpoint where that costs less.
+    # With a replay pool the rest share a rebuild pass (needed unless neither is wrong: 1 - 0.99^4 for "sure",
+    # which replays optimistically, 1/2 for "half"), or checkpoint where that costs less.
     assert modes(0.3, replay_tokens=4, rebuild=0.5) == {"sure": ("replay", 0), "half": ("replay", 0)}
-    assert modes(0.2, replay_tokens=4, rebuild=1.0) == {"sure": ("checkpoint", 0), "half": ("snapshot", 4)}
+    assert modes(0.2, replay_tokens=4, rebuild=4.0) == {"sure": ("checkpoint", 0), "half": ("snapshot", 4)}
 
 
 def test_checkpoint_costs_the_longer_step_its_replayed_tokens_cause():
@@ -153,7 +190,7 @@ def test_checkpoint_costs_the_longer_step_its_replayed_tokens_cause():
     assert costs.checkpoint([(0.5, 8, 0, None)]) == pytest.approx(expected_replay(0.5, 8, 0) * 0.5)
     d = {c.seq_id: c for c in decide_drafts([cand("a", want=3, alpha=0.5)], token_budget=10, free_pages=10,
                                             free_planes=0, page_size=4, replay_tokens=3, costs=costs)}
-    assert d["a"].mode == "replay"  # 2.6 seconds of checkpoint against 1 of rebuild
+    assert d["a"].mode == "replay"  # 2.6 seconds of checkpoint against half a rebuild of 1
 
 
 def test_checkpoint_costs_the_draft_steps_its_piled_up_replays_forbid():
@@ -169,8 +206,8 @@ def test_checkpoint_costs_the_draft_steps_its_piled_up_replays_forbid():
     assert costs.checkpoint([(0.5, 5, 0, 5)]) == pytest.approx(lost)
     assert costs.checkpoint([(0.5, 5, 0, 5), (0.5, 5, 2, 5)]) == pytest.approx(2 * lost)  # per row
     assert costs.checkpoint([(0.5, 5, 0, None)]) == 0.0  # no limit on replayed tokens
-    # So auto replays such a row (0.3 s of rebuild against about 0.63 s lost), and checkpoints it when drafts are
-    # nearly always kept.
+    # So auto replays such a row (half a rebuild of 0.3 s against about 0.63 s lost), and checkpoints it when
+    # drafts are nearly always kept.
     for alpha, mode in ((0.5, "replay"), (0.999, "checkpoint")):
         c = dataclasses.replace(cand("a", want=5, alpha=alpha), pending_max=5)
         d = decide_drafts([c], token_budget=10, free_pages=10, free_planes=0, page_size=4, replay_tokens=5,
@@ -213,3 +250,12 @@ def test_decisions_respect_every_limit(raw, budget, free_pages, free_planes, pag
             assert d.new_planes == 0
         if d.mode == "replay":
             assert d.n_drafts <= replay_tokens
+        assert not d.optimistic or (d.mode == "replay" and c.n_pending == 0)
+
+
+def test_the_worked_examples_in_the_rule_hold():
+    import doctest
+
+    import scheduler.memory
+
+    assert doctest.testmod(scheduler.memory).failed == 0

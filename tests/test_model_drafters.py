@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import DATA, plain_greedy
@@ -10,7 +13,8 @@ from conftest import DATA, plain_greedy
 from drafters.base import DraftRequest
 from drafters.draft_model import DraftModelDrafter, check_same_vocab
 from jaxmodel import load_model
-from jaxmodel.runtime import Runtime, Shapes, StepRow, plane_write_cost
+from jaxmodel.model import Model
+from jaxmodel.runtime import Runtime, RowLoop, Shapes, StepRow, plane_write_cost
 from jaxmodel.state import Row
 
 
@@ -97,6 +101,45 @@ def test_a_write_cost_within_the_steps_noise_counts_as_none():
     assert plane_write_cost(without, [0.390, 0.400, 0.410, 0.395, 0.405], 8) == pytest.approx((0.09 - 0.01) / 8)
 
 
+@pytest.mark.parametrize("heads", ["fixture", "zeroed"])
+@pytest.mark.parametrize("optimistic", [False, True])
+def test_replay_iterations_in_one_call_match_plain_greedy(target, optimistic, heads):
+    """A row verifies `last` and 3 MTP drafts, then runs 3 more iterations of its bonus and the head's next drafts
+    in the same device call, rolling back by replay between planes 1 and 2: forward (the state after each bonus,
+    advanced by the accepted drafts) or optimistic (the state after each last draft, rebuilt from the read plane
+    when one is rejected). The fixture's MTP head has every draft rejected; with both heads zeroed every logit is
+    0, every token and draft is token 0, and every draft is accepted. The tokens committed equal plain greedy
+    decoding's, and the plane left live holds the state a prefill of the same tokens computes."""
+    model = target
+    if heads == "zeroed":
+        weights = target.weights
+        model = Model(target.cfg, dataclasses.replace(weights, output=jnp.zeros_like(weights.output),
+                                                      mtp=dataclasses.replace(weights.mtp,
+                                                                              head=jnp.zeros_like(weights.mtp.head))))
+    runtime = Runtime(model, n_pages=5, n_planes=4, n_chain_max=3, replay_tokens=3, max_iterations=4,
+                      shapes=Shapes(max_rows=1, max_tokens=8, max_logit_rows=4, pages_per_row=2))  # fmt: skip
+    rng = np.random.default_rng(11)
+    prompt = [int(t) for t in rng.integers(0, 509, 8)]
+    first = runtime.step([StepRow(Row(prompt, 0, [1, 2], 0, [-1] * 7 + [1], [7]), n_chain=3)])[0]
+    tokens, drafts = list(first.committed), first.next_drafts
+    n = 1 + len(drafts)
+    writes = [-1] * (n - 1) + [2] if optimistic else [2] + [-1] * (n - 1)
+    row = Row([tokens[-1]] + drafts, len(prompt), [1, 2], 1, writes, range(n))
+    loop = RowLoop(3, (1, 2), budget=32, replay=True, optimistic=optimistic)
+    result = runtime.step([StepRow(row, drafts, n_chain=3, loop=loop, replay=True, optimistic=optimistic)],
+                          iterations=4)[0]  # fmt: skip
+    assert [later.n_accepted for later in result.more] == ([3] * 3 if heads == "zeroed" else [0] * 3)
+    tokens += result.committed + [t for later in result.more for t in later.committed]
+    assert tokens == plain_greedy(model, prompt, len(tokens))
+    fed = prompt + tokens[:-1]  # the live plane holds the state before the newest token, plane 1 after 4 moves
+    for start in range(0, len(fed), 8):
+        chunk = fed[start : start + 8]
+        runtime.step([StepRow(Row(chunk, start, [3, 4], 3 if start else 0, [-1] * (len(chunk) - 1) + [3]))])
+    state = jax.tree.map(np.asarray, runtime.state)
+    for pool in state.conv + state.ssm + (state.hidden,):
+        np.testing.assert_allclose(pool[1], pool[3], atol=1e-4, rtol=0)
+
+
 def test_calibration_times_steps_without_touching_sequences(target):
     """`Runtime.calibrate` times a decoding step, a verify step and the same verify step chaining MTP drafts, on
     rows that read the null plane and write only the trash page, the replay rebuild alone, writing nothing, and
@@ -112,7 +155,8 @@ def test_calibration_times_steps_without_touching_sequences(target):
     assert runtime.plane_write_seconds == calibration.plane_write_seconds >= 0
     assert set(calibration.step_seconds) == {(1, 1), (1, 4)} and all(s > 0 for s in calibration.step_seconds.values())
     assert set(calibration.chain_seconds) == {1} and runtime.chain_cost(1) == calibration.chain_seconds[1] >= 0
-    assert set(calibration.rebuild_seconds) == {1} and runtime.rebuild_cost(1) == calibration.rebuild_seconds[1] >= 0
+    assert set(calibration.rebuild_seconds) == {1} and runtime.rebuild_cost(1) == (calibration.rebuild_seconds[1], 1)
+    assert calibration.rebuild_seconds[1] >= 0
     after = jax.tree.map(np.array, runtime.state)
     for pool_before, pool_after in zip(before.k_pages + before.v_pages, after.k_pages + after.v_pages):
         np.testing.assert_array_equal(pool_before[1:], pool_after[1:])  # page 0 is the trash page

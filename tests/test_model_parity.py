@@ -175,6 +175,43 @@ def test_replay_rebuilds_the_snapshot_state_after_any_number_of_accepted_drafts(
             np.testing.assert_allclose(pool[7], pool[2 + k], atol=1e-6, rtol=0, err_msg=f"{k} accepted")
 
 
+@pytest.mark.parametrize("rebuild_rows", [1, 0])
+def test_replay_rebuilds_only_the_wrong_planes_forward_and_optimistic(tiny_model, rebuild_rows):
+    """Two rows feed `last` and 4 drafts from the same state (planes 1 and 2), keeping k and 4 - k drafts. In
+    snapshot mode they write the states after `last` and each draft (planes 3..7 and 8..12). In replay mode the
+    first writes the state after `last` into plane 13 (forward: wrong once a draft is accepted, then advanced by
+    them), the second the state after its last draft into plane 14 (optimistic: wrong once a draft is rejected,
+    then rebuilt from plane 2 over `last` and the accepted drafts); the wrong ones are rebuilt one row per pass or
+    all in one. For k = 0..4 (at k = 0 neither plane is wrong, at k = 4 both are) each replay plane holds the
+    snapshot plane after its kept drafts: conv state, recurrent state and hidden row."""
+    runtime = Runtime(tiny_model, n_pages=5, n_planes=15, replay_tokens=4, rebuild_rows=rebuild_rows,
+                      shapes=Shapes(max_rows=2, max_tokens=8, max_logit_rows=5, pages_per_row=2))  # fmt: skip
+    rng = np.random.default_rng(9)
+    prompt = [int(t) for t in rng.integers(0, 500, 9)]
+    continuation = []  # the target's greedy tokens after the prompt
+    for _ in range(4):
+        continuation.append(int(np.argmax(tiny_model.score(prompt + continuation)[0][-1])))
+    pages, filler = ([1, 2], [3, 4]), 3
+    runtime.step([StepRow(Row(prompt[:8], 0, pages[b], 0, [-1] * 7 + [1 + b])) for b in range(2)])
+    for k in range(5):
+        kept = (k, 4 - k)
+        drafts = [(continuation[:n] + [filler] * 4)[:4] for n in kept]
+        fed = [[prompt[8]] + d for d in drafts]
+        snapshot = runtime.step([StepRow(Row(fed[b], 8, pages[b], 1 + b, list(range(3 + 5 * b, 8 + 5 * b)),
+                                             range(5)), drafts[b]) for b in range(2)])  # fmt: skip
+        replay = runtime.step([
+            StepRow(Row(fed[0], 8, pages[0], 1, [13, -1, -1, -1, -1], range(5)), drafts[0], replay=True),
+            StepRow(Row(fed[1], 8, pages[1], 2, [-1, -1, -1, -1, 14], range(5)), drafts[1], replay=True,
+                    optimistic=True),
+        ])  # fmt: skip
+        assert [r.n_accepted for r in snapshot] == [r.n_accepted for r in replay] == list(kept)
+        assert [r.committed for r in snapshot] == [r.committed for r in replay]
+        state = jax.tree.map(np.asarray, runtime.state)
+        for pool in state.conv + state.ssm + (state.hidden,):
+            np.testing.assert_allclose(pool[13], pool[3 + kept[0]], atol=1e-6, rtol=0, err_msg=f"forward, {k}")
+            np.testing.assert_allclose(pool[14], pool[8 + kept[1]], atol=1e-6, rtol=0, err_msg=f"optimistic, {k}")
+
+
 def test_mixed_batches_with_sequences_joining_and_leaving_match_each_alone(tiny_model):
     """Rows of different lengths share steps; sequences join and leave between steps; pages and planes are
     interleaved between sequences. Every logit equals the sequence scored alone."""

@@ -119,12 +119,13 @@ class FakeModel:
         return out
 
     def rebuild(self, plan: StepPlan, committed: dict) -> None:
-        """Replay rows, after verification: the plane written after `last` gets the state after the last accepted
-        draft (what the device's rebuild does in the same call)."""
+        """Replay rows, after verification: the plane written (after `last`, or after the last draft when
+        optimistic) gets the state after the last accepted draft (what the device's rebuild does in the same
+        call)."""
         for row in plan.rows:
             if row.mode == "replay" and row.seq_id in committed:
                 last = len(row.fed) - 1
-                self.planes[row.write_planes[last]] = self.after[row.seq_id, last + committed[row.seq_id].n_accepted]
+                self.planes[row.write_pool[0]] = self.after[row.seq_id, last + committed[row.seq_id].n_accepted]
 
 
 def check_plan(plan: StepPlan, page_size: int) -> None:
@@ -138,8 +139,10 @@ def check_plan(plan: StepPlan, page_size: int) -> None:
     assert not set(written) & {r.read_plane for r in plan.rows}, "a plane read and written in one step"
     for r in plan.rows:
         assert len(r.write_planes) == len(r.tokens) == len(r.positions) > 0
-        final = len(r.fed) - 1 if r.mode == "replay" else -1  # replay: the state after `last`, advanced later
+        # Replay: the state after `last`, advanced later, or (optimistic) after the last draft, rebuilt if wrong.
+        final = len(r.fed) - 1 if r.mode == "replay" and not r.optimistic else -1
         assert r.write_planes[final] >= 0, "the final state must land somewhere"
+        assert not r.optimistic or (r.mode == "replay" and len(r.fed) == 1), "optimistic replay without pending"
         assert pages_for(r.start + len(r.tokens), page_size) <= len(r.pages)
         assert len(r.drafts) <= r.draft_max
         if r.needs_logits:
@@ -171,6 +174,7 @@ class Scenario:
     aborts: dict = field(default_factory=dict)  # seq_id -> (step, mid_flight)
     corruption: dict = field(default_factory=dict)  # seq_id -> probability a draft token is wrong
     seed: int = 0
+    alpha: dict = field(default_factory=dict)  # seq_id -> the acceptance its draft plans claim (default: none given)
 
 
 @dataclass
@@ -203,7 +207,8 @@ def simulate(sc: Scenario, sched: Scheduler, *, max_steps: int = 3000, script: d
         for sid, (at, mid) in sc.aborts.items():
             if at == step and not mid:
                 record(sched.abort(sid))
-        plan = sched.schedule()
+        plan = sched.schedule({sid: DraftPlan(sched.request(sid).n_max, alpha) for sid, alpha in sc.alpha.items()
+                               if sid in sched.may_draft()})  # fmt: skip
         waiting_seen = max(waiting_seen, sched.n_waiting)
         if plan.rows:
             drafts = {}
@@ -295,6 +300,8 @@ def mode_steps(run: Run) -> dict:
 @pytest.mark.parametrize("corruption", [0.0, 0.35, 1.0])
 def test_lossless_per_mode_and_acceptance(rollback, corruption):
     sc = random_scenario(7, 16, rollback=rollback, corruption=corruption)
+    # Half the sequences claim a high acceptance: their replay rows write the state after their last draft.
+    sc.alpha = {r.seq_id: 0.95 for r in sc.requests[::2]}
     # Few planes and pages: snapshot must shorten or fall back, requests queue, sequences get preempted.
     sched = make_scheduler(n_pages=16, n_planes=12, page_size=4, max_model_len=36, token_budget=24, max_running=6)
     run = simulate(sc, sched)
@@ -303,6 +310,9 @@ def test_lossless_per_mode_and_acceptance(rollback, corruption):
     steps = mode_steps(run)
     if rollback != "auto":
         assert steps[rollback] > 0 and sum(steps.values()) == steps[rollback]
+    if rollback == "replay":
+        replays = [r.optimistic for plan in run.plans for r in plan.rows if r.mode == "replay" and r.drafts]
+        assert 0 < sum(replays) < len(replays), "both ways of replay"
     drafted = [s for evs in run.events.values() for s in evs[-1].drafters.values()]
     accepted, total = sum(s.accepted for s in drafted), sum(s.drafted for s in drafted)
     assert total > 0
