@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxmodel.kernels.gdn_chunked import gdn_chunked
 from jaxmodel.kernels.gdn_recurrent import gdn_recurrent
-from jaxmodel.state import read_planes, scatter_planes
+from jaxmodel.state import read_planes
 
 # Implementations `gated_delta_rule(impl=...)` accepts; the chunked ones require final_only.
 IMPLEMENTATIONS = ("scan", "chunked", "pallas_recurrent", "pallas_chunked")
@@ -204,31 +204,27 @@ def chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, chunk_
     return out, ssm_pool.at[target].set(final.astype(ssm_pool.dtype), mode="drop")
 
 
-def advance_planes(k, v, g, beta, ssm_pool, source, target):
-    """Advance the state in each of `source` planes by a few tokens of the delta rule into `target` (replay's
-    rebuild).
+def advance_states(k, v, g, beta, state):
+    """Advance each row's state by a few tokens of the delta rule (replay's rebuild).
 
-    k:         [B, n, Hk, Dk]  L2-normalised keys
-    v:         [B, n, Hv, Dv]
-    g, beta:   [B, n, Hv]      a token with g = beta = 0 leaves the state alone
-    ssm_pool:  [N, Hv, Dk, Dv] float32 state planes
-    source:    [B]             the plane each row reads
-    target:    [B]             the plane each row writes (its source, or another), -1 for none
-    returns the updated pool.
+    k:       [B, n, Hk, Dk]  L2-normalised keys
+    v:       [B, n, Hv, Dv]
+    g, beta: [B, n, Hv]      a token with g = beta = 0 leaves the state alone
+    state:   [B, Hv, Dk, Dv]
+    returns the advanced states [B, Hv, Dk, Dv] float32.
 
     The n tokens as one chunk of the chunked form: S_n = exp(G_n) S + k_to_end^T (u - w S), one product against
     the state and a rank-n update, where the token-serial scan reads and writes the whole state once per token.
     The update is n outer products summed elementwise: XLA's CPU dot is slow at a contraction of a few."""
-    n_value_heads, n = ssm_pool.shape[1], k.shape[1]
+    n_value_heads, n = state.shape[1], k.shape[1]
     pad = (1 << max(n - 1, 0).bit_length()) - n  # identity tokens up to a power of two
     per_head = lambda x: jnp.swapaxes(jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)),
                                       1, 2)  # [B, n, H, ...] -> [B, H, C, ...]
     k = per_head(tile_key_heads(k, n_value_heads))  # [B, Hv, C, Dk]
     _, _, u, w, k_to_end, decay = _wy_terms(k, per_head(v), per_head(g), per_head(beta))
-    state = read_planes(ssm_pool, source).astype(jnp.float32)  # [B, Hv, Dk, Dv]
+    state = state.astype(jnp.float32)
     deltas = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_HIGHEST)  # [B, Hv, C, Dv]
-    state = decay * state + sum(k_to_end[..., c, :, None] * deltas[..., c, None, :] for c in range(n))
-    return scatter_planes(ssm_pool, target, state)
+    return decay * state + sum(k_to_end[..., c, :, None] * deltas[..., c, None, :] for c in range(n))
 
 
 def choose_implementation(backend: str, n_tokens: int, final_only: bool) -> str:

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .delta_rule import advance_planes, gated_delta_rule
+from .delta_rule import advance_states, gated_delta_rule
 from .layers import l2_norm, linear, rms_norm
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
@@ -85,9 +85,9 @@ def gdn_rebuild(
     """Advance the state in `source` (the state before the row's first recorded token) by the first n_keep[b]
     recorded tokens of slot[b], in every GDN layer, and write it to `target`: the conv over the recorded raw
     inputs gives k and v again (the projections are not recomputed), then the delta rule, with g = beta = 0 past
-    n_keep (which leaves the state alone), advances each state (`delta_rule.advance_planes`: one product against
-    the state, not one per token). The conv runs for all layers as one batch of L x B rows. Returns both pools of
-    every layer."""
+    n_keep (which leaves the state alone), advances each state (`delta_rule.advance_states`: one product against
+    the state, not one per token). The conv and the delta rule run for all layers as one batch of L x B rows.
+    Returns both pools of every layer."""
     L, B = len(ws), target.shape[0]
     n = replay_pools[0].shape[1]
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
@@ -103,7 +103,12 @@ def gdn_rebuild(
     kv = jax.nn.silu(jnp.einsum("lbctk,lck->lbtc", taps, jnp.stack([w.conv[Hk * Dk :] for w in ws])))
     k = l2_norm(kv[..., : Hk * Dk].reshape(L, B, n, Hk, Dk), cfg.norm_eps)
     v = kv[..., Hk * Dk :].reshape(L, B, n, Hv, Dk)
-    ssm_pools = [advance_planes(k[j], v[j], g[j], beta[j], pool, source, target) for j, pool in enumerate(ssm_pools)]
+    # Every layer's states advance as one batch of L x B rows: a few large operations rather than a few per layer
+    # (at a rebuild's sizes XLA's CPU runtime spends more on launching operations than on them).
+    flat = lambda x: x.reshape((L * B,) + x.shape[2:])
+    states = jnp.stack([read_planes(pool, source) for pool in ssm_pools])  # [L, B, Hv, Dk, Dv]
+    states = advance_states(flat(k), flat(v), flat(g), flat(beta), flat(states)).reshape(states.shape)
+    ssm_pools = [scatter_planes(pool, target, states[j]) for j, pool in enumerate(ssm_pools)]
     after = jax.vmap(jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t, Kc - 1, axis=1), (0, 0)),
                      (0, None))(window, n_keep)  # [L, B, C, Kc-1]
     return [scatter_planes(pool, target, after[j]) for j, pool in enumerate(conv_pools)], ssm_pools

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import check_against_reference, tolerance
 from jaxmodel import delta_rule
-from jaxmodel.delta_rule import (advance_planes, chunked_scan, choose_implementation, gated_delta_rule,
+from jaxmodel.delta_rule import (advance_states, chunked_scan, choose_implementation, gated_delta_rule,
                                  invert_unit_lower, recurrent_scan)
 from jaxmodel.kernels.problems import random_inputs, random_problem
 from jaxmodel.kernels.reference import delta_rule_reference
@@ -80,26 +80,20 @@ def test_chunked_scan_matches_reference(n_tokens, dk, chunk_size):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 3, 4, 5])
-def test_advance_planes_matches_reference(n_tokens):
-    """Replay's rebuild: each row's source plane advanced by its tokens (padding past a row's kept ones) and
-    written to its target, the source itself (in place) or another plane; a row naming no target writes nothing,
-    and every other plane stays as it was, bit for bit."""
+def test_advance_states_matches_reference(n_tokens):
+    """Replay's rebuild: each row's state advanced by its kept tokens; the padding past them (g = beta = 0)
+    leaves it alone."""
     rng = np.random.default_rng(50 + n_tokens)
-    n_rows, n_planes = 4, 7
-    _, k, v, g, beta = random_inputs(rng, n_rows, n_tokens, 2, 4, 16, 16)
+    _, k, v, g, beta = random_inputs(rng, 4, n_tokens, 2, 4, 16, 16)
     n_keep = np.array([n_tokens, n_tokens // 2, 0, n_tokens])  # the kept tokens of each row
     padding = np.arange(n_tokens)[None, :] >= n_keep[:, None]
     g[padding], beta[padding] = 0.0, 0.0
-    pool = rng.normal(size=(n_planes, 4, 16, 16)).astype(np.float32)
-    source = np.array([3, 2, 1, 6], np.int32)
-    target = np.array([3, 5, 1, -1], np.int32)  # in place, into another plane, in place, nowhere
-    advanced = np.asarray(jax.jit(advance_planes)(k, v, g, beta, pool, source, target))
-    ref = delta_rule_reference(k, k, v, g, beta, pool[source])
+    state = rng.normal(size=(4, 4, 16, 16)).astype(np.float32)
+    advanced = np.asarray(jax.jit(advance_states)(k, v, g, beta, state))
+    ref = delta_rule_reference(k, k, v, g, beta, state)
     tol = tolerance(n_tokens)
-    for row, plane in enumerate(target[:3]):
-        np.testing.assert_allclose(advanced[plane], ref.final_state[row], atol=tol, rtol=tol, err_msg=f"row {row}")
-    untouched = [0, 2, 4, 6]
-    np.testing.assert_array_equal(advanced[untouched], pool[untouched])
+    np.testing.assert_allclose(advanced, ref.final_state, atol=tol, rtol=tol)
+    np.testing.assert_allclose(advanced[2], state[2], atol=tol, rtol=0)  # nothing kept
 
 
 def test_invert_unit_lower_inverts_batched_unit_lower_triangular_matrices():
