@@ -22,7 +22,7 @@ from .delta_rule import CPU_CHUNKED_MIN_TOKENS
 from .model import Model, rebuild
 from .sampling import SamplingParams
 from .speculative import ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain, speculative_step
-from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, pack_batch
+from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, bytes_per_plane, pack_batch
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,13 @@ class Shapes:
 # Steps of up to this many tokens per row (decode and verify steps) may run several iterations per call.
 LOOP_MAX_TOKENS = 16
 
+# On CPU the replay rebuild goes one row per pass where a row's GDN state is at least this large: moving the
+# states through memory then dominates, so a pass costs about what its rows do (the 0.8B shape, 19.3 MB a row:
+# 44 ms for one row, 127 ms for four), and rebuilding only the wrong rows pays. Well below it a pass costs mostly
+# its fixed launch overhead, and one pass of all rows is cheaper (the bundled model, 0.08 MB a row: 0.45 ms for one
+# row, 1.24 ms for sixteen).
+PER_ROW_REBUILD_MIN_BYTES = 4 << 20
+
 
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: ModelConfig):
@@ -183,8 +190,8 @@ class Runtime:
     among the token ids below it (None: all). replay_tokens: the longest draft a row in replay rollback may verify
     (the replay pool holds that many tokens for each of `replay_slots` rows, by default `shapes.max_rows`; 0: no
     replay pool, and no rebuild compiled). rebuild_rows: rows per pass of the replay rebuild (0: all rows of a
-    step in one pass; by default one on CPU, where a pass costs what its rows do, and all elsewhere; see
-    `jaxmodel.speculative.replay_rebuild`).
+    step in one pass; see `jaxmodel.speculative.replay_rebuild`). By default one on CPU where a row's state is
+    large (`PER_ROW_REBUILD_MIN_BYTES`), and all elsewhere.
     """
 
     def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,
@@ -203,7 +210,10 @@ class Runtime:
         replay_slots = replay_slots if model.cfg.gdn_layers else 0
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size,
                                      replay_slots=replay_slots, replay_tokens=replay_tokens)
-        self.rebuild_rows = (1 if jax.default_backend() == "cpu" else 0) if rebuild_rows is None else rebuild_rows
+        if rebuild_rows is None:
+            per_row = jax.default_backend() == "cpu" and bytes_per_plane(model.cfg) >= PER_ROW_REBUILD_MIN_BYTES
+            rebuild_rows = 1 if per_row else 0
+        self.rebuild_rows = rebuild_rows
         self._step, self._chain, self._rebuild = _compiled(model.cfg)
         self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
         self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds one pass of the replay rebuild takes

@@ -155,6 +155,7 @@ def test_calibration_times_steps_without_touching_sequences(target):
     assert runtime.plane_write_seconds == calibration.plane_write_seconds >= 0
     assert set(calibration.step_seconds) == {(1, 1), (1, 4)} and all(s > 0 for s in calibration.step_seconds.values())
     assert set(calibration.chain_seconds) == {1} and runtime.chain_cost(1) == calibration.chain_seconds[1] >= 0
+    assert runtime.rebuild_rows == 0  # a tiny state: one pass of every row (`PER_ROW_REBUILD_MIN_BYTES`)
     assert set(calibration.rebuild_seconds) == {1} and runtime.rebuild_cost(1) == (calibration.rebuild_seconds[1], 1)
     assert calibration.rebuild_seconds[1] >= 0
     after = jax.tree.map(np.array, runtime.state)
