@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -17,6 +18,12 @@ INTERPRET = jax.default_backend() != "gpu"
 os.environ.setdefault("GDNSPEC_WEIGHT_DTYPE", "float32")
 if jax.default_backend() == "gpu":
     jax.config.update("jax_default_matmul_precision", "highest")
+
+# Modules drop their executables (below), but several serve engines of the same shapes: a compilation cache on disk,
+# new for each run, lets a later module load a step another compiled instead of compiling it again.
+_COMPILATION_CACHE = tempfile.TemporaryDirectory(prefix="gdnspec-tests-jax-")
+jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.name)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 @pytest.fixture(scope="module", autouse=True)
