@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from conftest import DATA, plain_greedy
+from conftest import DATA, ENGINE, plain_greedy
 
 from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
@@ -17,9 +17,6 @@ from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 
 MAX_TOKENS = 16
-# The engines here (but the background warm-up's) share these shapes and pools, so that XLA compiles each step shape
-# once for the module: a shape takes seconds to compile and milliseconds to run.
-ENGINE = dict(budget_bytes=700_000, max_running=6, max_model_len=64, chunk_size=16, token_budget=48, n_max=6)
 ITERATIONS = 8  # the engine's default: the most iterations one device call runs
 
 
