@@ -204,7 +204,11 @@ class Runtime:
         self.n_chain_max = n_chain_max
         self.max_iterations = max_iterations
         self.draft_vocab = draft_vocab if draft_vocab and draft_vocab < model.cfg.n_vocab else None
-        self.stop_ids = np.asarray(sorted(stop_ids) or [-1], np.int32)
+        # -1 pads (it matches no token) to at least 4 ids, so that engines told of up to 4 end-of-generation ids
+        # (none, an eval's single one, a tokenizer's pair) share their compiled steps.
+        stop_ids = sorted(stop_ids)
+        self.stop_ids = np.full((bucket(len(stop_ids), minimum=4, base=4),), -1, np.int32)
+        self.stop_ids[: len(stop_ids)] = stop_ids
         if replay_slots is None:
             replay_slots = shapes.max_rows if shapes is not None else 1
         replay_slots = replay_slots if model.cfg.gdn_layers else 0

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -17,6 +18,17 @@ INTERPRET = jax.default_backend() != "gpu"
 os.environ.setdefault("GDNSPEC_WEIGHT_DTYPE", "float32")
 if jax.default_backend() == "gpu":
     jax.config.update("jax_default_matmul_precision", "highest")
+
+# Modules drop their executables (below), but several serve engines of the same shapes: a compilation cache on disk,
+# new for each run, lets a later module load a step another compiled instead of compiling it again.
+_COMPILATION_CACHE = tempfile.TemporaryDirectory(prefix="gdnspec-tests-jax-")
+jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE.name)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+# The tiny model's engines in test_engine.py, test_reliability.py and test_server.py (but those a test's point sets
+# apart) share these shapes and pools, so that XLA compiles each step shape once for the suite: a shape takes
+# seconds to compile and milliseconds to run.
+ENGINE = dict(budget_bytes=700_000, max_running=6, max_model_len=64, chunk_size=16, token_budget=48, n_max=6)
 
 
 @pytest.fixture(scope="module", autouse=True)

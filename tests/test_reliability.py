@@ -15,7 +15,7 @@ import time
 import anyio
 import pytest
 import websockets
-from conftest import plain_greedy
+from conftest import ENGINE, plain_greedy
 from websockets.asyncio.client import connect
 
 from api.client import Client, RequestError
@@ -87,8 +87,7 @@ class _RaisingDetokenizer:
 
 
 def make_engine(model, tokenizer, **options) -> Engine:
-    engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=options.pop("max_running", 4),
-                    max_model_len=64, **options)  # fmt: skip
+    engine = Engine(model, tokenizer=tokenizer, **(ENGINE | options))
     engine.free_at_start = (engine.memory.free_pages, engine.memory.free_planes)
     return engine
 

@@ -8,7 +8,7 @@ import json
 import anyio
 import pytest
 import websockets
-from conftest import plain_greedy
+from conftest import ENGINE, plain_greedy
 from websockets.asyncio.client import connect
 
 from api.client import Client, RequestError
@@ -27,8 +27,7 @@ SETTINGS = ServerSettings(
 
 @contextlib.asynccontextmanager
 async def serving(model, tokenizer, **engine_options):
-    engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64,
-                    **engine_options)  # fmt: skip
+    engine = Engine(model, tokenizer=tokenizer, **(ENGINE | engine_options))
     free = (engine.memory.free_pages, engine.memory.free_planes)
     async with engine, listening(Server(engine, tokenizer, SETTINGS)) as (url, _):
         yield url, engine
@@ -217,7 +216,7 @@ def test_shutdown_ends_in_flight_requests_with_cancelled(model, tokenizer):
     """What Ctrl-C does: every running request gets its done frame (cancelled), then the connection closes."""
 
     async def main():
-        engine = Engine(model, tokenizer=tokenizer, budget_bytes=700_000, max_running=4, max_model_len=64)
+        engine = Engine(model, tokenizer=tokenizer, **ENGINE)
         async with engine, listening(Server(engine, tokenizer, SETTINGS)) as (url, shutdown):
             async with connect(url) as ws:
                 for i in range(2):
