@@ -328,7 +328,9 @@ def speculative_step(
     bonus = jnp.take_along_axis(first.tokens, first.n_accepted[:, None], axis=1)[:, 0]
     record = LoopOutput(ran=jnp.zeros((K, B), bool), n_accepted=jnp.zeros((K, B), jnp.int32),
                         tokens=jnp.zeros((K, B, W), jnp.int32), n_drafts=jnp.zeros((K, B), jnp.int32))
-    carry = (1, active, live, start, bonus, first.drafts[:, : W - 1], first.n_drafted, n_committed, record, state)
+    # The carried drafts keep the chain's full width: a later iteration feeds W - 1 of them, and the last
+    # iteration's all go back to the host, so that a plain decoding loop (W = 1) still hands the next call drafts.
+    carry = (1, active, live, start, bonus, first.drafts, first.n_drafted, n_committed, record, state)
     index = jnp.arange(W)[None, :]
 
     def more(carry):
@@ -338,7 +340,7 @@ def speculative_step(
     def body(carry):
         j, active, live, start, bonus, drafts, n_drafted, n_committed, record, state = carry
         n_fed = jnp.where(active, jnp.minimum(jnp.minimum(loop.n_draft, n_drafted), W - 1), 0)  # drafts fed
-        tokens = jnp.concatenate([bonus[:, None], drafts], axis=1)
+        tokens = jnp.concatenate([bonus[:, None], drafts[:, : W - 1]], axis=1)
         tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, W]
         write_pool = _next_write_planes(loop.planes, live)[:, :W]
         writes = jnp.where(active[:, None] & (index <= n_fed[:, None]), write_pool, -1)
@@ -362,7 +364,7 @@ def speculative_step(
         live = jnp.where(active, _live_after(write_pool, a, loop.replay), live)
         start = jnp.where(active, start + 1 + a, start)
         bonus = jnp.where(active, jnp.take_along_axis(out.tokens, a[:, None], axis=1)[:, 0], bonus)
-        drafts = jnp.where(active[:, None], out.drafts[:, : W - 1], drafts)
+        drafts = jnp.where(active[:, None], out.drafts, drafts)
         n_drafted = jnp.where(active, out.n_drafted, n_drafted)
         n_committed = n_committed + jnp.where(active, a + 1, 0)
         active = (active & ~_stops(out.tokens, a + 1, loop.stop_ids) & (n_committed < loop.budget)
