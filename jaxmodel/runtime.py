@@ -21,7 +21,8 @@ from .config import ModelConfig
 from .delta_rule import CPU_CHUNKED_MIN_TOKENS
 from .model import Model, rebuild
 from .sampling import SamplingParams
-from .speculative import ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain, speculative_step
+from .speculative import (ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain, rebuild_pass_rows,
+                          speculative_step)
 from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, bytes_per_plane, pack_batch
 
 
@@ -453,14 +454,10 @@ class Runtime:
         """Seconds one chained draft adds to a step of n_rows rows (0 before `calibrate`)."""
         return self.chain_seconds.get(self._batch_bucket(n_rows), 0.0)
 
-    def _rebuild_pass_rows(self, B: int) -> int:
-        """Rows one pass of the replay rebuild covers in a step of B (padded) rows."""
-        return min(self.rebuild_rows, B) if self.rebuild_rows > 0 else B
-
     def _time_rebuild(self, B: int, repeats: int) -> float:
         """The minimum over `repeats` runs (after one that compiles) of one pass of the replay rebuild in a step
         of B rows, every row of it applying all replay_tokens recorded tokens and writing nothing (targets -1)."""
-        rows = self._rebuild_pass_rows(B)
+        rows = rebuild_pass_rows(self.rebuild_rows, B)
         none, first = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
         n_keep = np.full((rows,), self.replay_tokens, np.int32)
         hidden = np.zeros((rows, self.model.cfg.n_embd), np.float32)
@@ -484,7 +481,7 @@ class Runtime:
         passes as its wrong planes need (None before `calibrate`)."""
         B = self._batch_bucket(n_rows)
         seconds = self.rebuild_seconds.get(B)
-        return None if seconds is None else (seconds, self._rebuild_pass_rows(B))
+        return None if seconds is None else (seconds, rebuild_pass_rows(self.rebuild_rows, B))
 
     def warmup_chain(self) -> Iterator[tuple[int, int]]:
         """Compile a draft model's chain and catch-up shapes, one (B, T) per iteration, as `warmup` does."""

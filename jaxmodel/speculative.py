@@ -211,6 +211,11 @@ def iteration(
     return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), state
 
 
+def rebuild_pass_rows(rows_per_pass: int, B: int) -> int:
+    """Rows one pass of the replay rebuild covers in a step of B (padded) rows; rows_per_pass 0: all of them."""
+    return min(rows_per_pass, B) if rows_per_pass > 0 else B
+
+
 def replay_rebuild(
     weights: Weights, cfg: ModelConfig, state: ModelState, replay: ReplayInputs, read_plane: jax.Array,
     n_drafts: jax.Array, n_accepted: jax.Array, hidden: jax.Array, rows_per_pass: int = 0,
@@ -220,16 +225,16 @@ def replay_rebuild(
     read_plane [B] over `last` and the accepted drafts. n_drafts, n_accepted [B]; hidden [B, E] the target's
     post-norm hidden of each row's last kept token.
 
-    Those rows go first and are rebuilt rows_per_pass at a time (0: all rows of the batch in one pass), as many
-    passes as they need, none when no plane is wrong. The rebuild's work is moving whole states through memory, so
-    on CPU one row per pass costs what its row does (a pass of B rows costs B of them however few are wrong);
-    a GPU rebuilds a batch in about the time of one row, so there one pass of all rows is best."""
+    Those rows go first and are rebuilt rebuild_pass_rows(rows_per_pass, B) at a time, as many passes as they need,
+    none when no plane is wrong. Where a pass's cost follows its rows (large states on CPU: moving them through
+    memory) one row per pass rebuilds only what is wrong; where it is mostly a fixed cost (small states, a GPU)
+    one pass of all rows is cheaper (`jaxmodel.runtime.PER_ROW_REBUILD_MIN_BYTES`)."""
     B = replay.plane.shape[0]
     optimistic = replay.optimistic
     source = jnp.where(optimistic, read_plane, replay.plane)
     n_keep = jnp.where(optimistic, 1 + n_accepted, n_accepted)
     wrong = (replay.plane >= 0) & jnp.where(optimistic, n_accepted < n_drafts, n_accepted > 0)
-    per_pass = min(rows_per_pass, B) if rows_per_pass > 0 else B
+    per_pass = rebuild_pass_rows(rows_per_pass, B)
     order = jnp.argsort((~wrong).astype(jnp.int32), stable=True).astype(jnp.int32)  # the wrong rows first
     order = jnp.concatenate([order, jnp.zeros((per_pass,), jnp.int32)])
     n_wrong = jnp.sum(wrong.astype(jnp.int32))

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 import traceback
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -29,7 +30,7 @@ from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
 from jaxmodel.state import bytes_per_plane, kv_bytes_per_page, replay_bytes_per_token
 
 from .core import Scheduler
-from .memory import MemoryManager, RollbackCosts, pages_for, pool_sizes
+from .memory import MemoryManager, RollbackCosts, pages_for, pool_sizes, replay_plane_wrong
 from .types import (Committed, Continued, DoneEvent, DraftPlan, Event, GenerationRequest, Request, Row, SeqId,
                     StepPlan, TokensEvent)
 
@@ -231,22 +232,19 @@ class Engine:
 
     def _rebuild_seconds(self, rows: list[StepRow], results) -> float:
         """What a device call spent rebuilding replay rows: per iteration, a calibrated pass per rebuild_rows of
-        its wrong planes (a forward row that accepted a draft, an optimistic one that rejected one)."""
+        its wrong planes (`replay_plane_wrong`)."""
         cost = self.runtime.rebuild_cost(len(rows))
         if cost is None:
             return 0.0
         seconds, per_pass = cost
-        wrong: dict[int, int] = {}  # iteration -> wrong planes
+        wrong: Counter[int] = Counter()  # iteration -> wrong planes
         for r, result in zip(rows, results):
             if r.replay:
-                rejected = result.n_accepted < len(r.drafts)
-                wrong[0] = wrong.get(0, 0) + (rejected if r.optimistic else result.n_accepted > 0)
+                wrong[0] += replay_plane_wrong(r.optimistic, len(r.drafts), result.n_accepted)
             if r.loop is not None and r.loop.replay:
                 for j, later in enumerate(result.more, start=1):
                     if later.drafts:
-                        rejected = later.n_accepted < len(later.drafts)
-                        wrong[j] = wrong.get(j, 0) + (rejected if r.loop.optimistic else later.n_accepted > 0)
-        per_pass = per_pass or len(rows)
+                        wrong[j] += replay_plane_wrong(r.loop.optimistic, len(later.drafts), later.n_accepted)
         return seconds * sum(-(-n // per_pass) for n in wrong.values())
 
     def _observe(self, seq_id, drafter: str | None, drafted: int, accepted: int, committed) -> None:

@@ -12,27 +12,26 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
 1. Draft length. Each sequence gets d = min(what it asks, the step's remaining token budget, what fits in its
    pages plus the free pages); budget and pages are consumed in priority order. What it asks is the drafter
    policy's plan, made before memory is granted: the policy's draft decision comes first.
-2. Mode: the cheapest that fits. Snapshot needs d + 1 planes to write besides the one it reads, i.e.
-   `d + 1 - spare` extra planes, and costs writing d more GDN states than the other modes do
-   (`RollbackCosts.plane_write_seconds`, timed at calibration in planes the engine lends while idle; at the 0.8B
-   shape a state is 19.3 MB). Replay and checkpoint need no plane beyond the two a sequence holds. Replay costs the
-   rebuild of the rows whose written state turns out wrong: a row writes the state after `last` (wrong when a
-   draft is accepted, chance alpha) or, optimistically, after its last draft (wrong when one is rejected,
-   1 - alpha^d), whichever is likelier right (`replays_optimistically`; only without replayed tokens). The device
-   rebuilds the wrong rows in passes of a few rows (one on CPU, where a pass costs what its rows do; all of the
-   step's on a GPU), each pass timed at calibration (`RollbackCosts.rebuild_seconds`, `expected_rebuild`).
-   Checkpoint costs the tokens it
-   replays next step: with per-token acceptance alpha (the policy's estimate), d drafts and p replayed tokens
-   before `last`, it replays p + 1 + k tokens when k < d drafts are accepted and nothing when all are
-   (`expected_replay = sum_{k<d} alpha^k (1 - alpha) (p + 1 + k)` in expectation). Steps are padded to a few
-   compiled lengths, so what those tokens cost is the longer step they cause when the next step's row
-   (p + 2 + k + d tokens instead of 1 + d) crosses a compiled length: `RollbackCosts.checkpoint`, from measured
-   step times (until measured: the expected replayed tokens at the target's per-token cost). Replayed tokens also
-   pile up: a checkpoint row keeps its read plane until a step keeps all its drafts, so after a rejection it has
-   p + 1 + k replayed tokens, and a row with more than its request's n_max of them may not draft. Checkpoint is
-   charged those forbidden draft steps too, at the rate a row that always checkpoints meets them (a Markov chain
-   over p: `forbidden_draft_rate`), each worth the accepted drafts it would have yielded at the measured step's
-   time per token.
+2. Mode: the cheapest that fits. Snapshot needs d + 1 planes to write besides the one it reads, i.e. `d + 1 - spare`
+   extra planes, and costs writing d more GDN states than the other modes do (`RollbackCosts.plane_write_seconds`,
+   timed at calibration in planes the engine lends while idle; at the 0.8B shape a state is 19.3 MB). Replay and
+   checkpoint need no plane beyond the two a sequence holds. Replay costs the rebuild of the rows whose written
+   state turns out wrong: a row writes the state after `last` (wrong when a draft is accepted, chance alpha) or,
+   optimistically, after its last draft (wrong when one is rejected, 1 - alpha^d), whichever is likelier right
+   (`replays_optimistically`; only without replayed tokens). The device rebuilds the wrong rows in passes (one row
+   per pass on CPU where a row's state is large, so that a pass costs what its row does; otherwise all of the step's
+   rows in one), each pass timed at calibration (`RollbackCosts.rebuild_seconds`, `expected_rebuild`). Checkpoint
+   costs the tokens it replays next step: with per-token acceptance alpha (the policy's estimate), d drafts and p
+   replayed tokens before `last`, it replays p + 1 + k tokens when k < d drafts are accepted and nothing when all
+   are (`expected_replay = sum_{k<d} alpha^k (1 - alpha) (p + 1 + k)` in expectation). Steps are padded to a few
+   compiled lengths, so what those tokens cost is the longer step they cause when the next step's row (p + 2 + k + d
+   tokens instead of 1 + d) crosses a compiled length: `RollbackCosts.checkpoint`, from measured step times (until
+   measured: the expected replayed tokens at the target's per-token cost). Replayed tokens also pile up: a
+   checkpoint row keeps its read plane until a step keeps all its drafts, so after a rejection it has p + 1 + k
+   replayed tokens, and a row with more than its request's n_max of them may not draft. Checkpoint is charged those
+   forbidden draft steps too, at the rate a row that always checkpoints meets them (a Markov chain over p:
+   `forbidden_draft_rate`), each worth the accepted drafts it would have yielded at the measured step's time per
+   token.
    - rollback="checkpoint": checkpoint.
    - rollback="snapshot": snapshot; when the free planes do not cover d, the draft is shortened until they do
      (d = 0 always fits). These go first: they were promised.
@@ -117,6 +116,12 @@ def replays_optimistically(alpha: float, n_drafts: int, n_pending: int) -> bool:
     (True, False, False)
     """
     return n_pending == 0 and n_drafts > 0 and alpha**n_drafts >= 1.0 - alpha
+
+
+def replay_plane_wrong(optimistic: bool, n_drafts: int, n_accepted: int) -> bool:
+    """Whether a replay row's written plane was wrong after verification, and rebuilt: an optimistic row's when a
+    draft was rejected, a forward row's when one was accepted."""
+    return n_accepted < n_drafts if optimistic else n_accepted > 0
 
 
 def rebuild_chance(alpha: float, n_drafts: int, n_pending: int) -> float:
