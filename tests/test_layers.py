@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmodel.layers import EIGEN_ROWS_MAX, SMALL_WEIGHT_ELEMS, WIDE_N_OUT, linear, small_row_form
+from jaxmodel.layers import EIGEN_ROWS_MAX, WIDE_N_OUT, linear, small_row_form
 
 ON_CPU = jax.default_backend() == "cpu"
 
 # (lead shape of x, n_in, n_out, weight dtype, the form picked on CPU). n_in != n_out and M != n_in throughout, so a
-# transposed operand or output fails on shapes or on values. Weights of exactly SMALL_WEIGHT_ELEMS take the rule.
+# transposed operand or output fails on shapes or on values.
 CASES = [
     ((1,), 512, 1024, jnp.float32, "dot"),  # one row: XLA's matrix-vector product
     ((1, 1), 1024, 512, jnp.float32, "dot"),
@@ -25,7 +25,8 @@ CASES = [
     ((2, 4), 512, 1024, jnp.float32, "eigen"),
     ((EIGEN_ROWS_MAX,), 512, 1024, jnp.float32, "eigen"),
     ((EIGEN_ROWS_MAX + 1,), 512, 1024, jnp.float32, "dot"),  # prefill chunks: YNNPACK's matrix product
-    ((4,), 512, 512, jnp.float32, "dot"),  # cache-resident weights
+    ((4,), 192, 512, jnp.float32, "eigen"),  # cache-resident weights (the bundled model's FFN) take the rule too
+    ((2,), 192, 4, jnp.float32, "rows"),  # a GDN layer's beta projection
     ((4,), 512, 1024, jnp.float16, "dot"),  # f16 weights round x to f16 (ggml's CPU kernels do)
 ]
 
@@ -35,7 +36,6 @@ CASES = [
 def test_every_form_equals_the_float64_product(lead, n_in, n_out, dtype, form, with_bias):
     m = int(np.prod(lead))
     w_f32 = jnp.asarray(np.random.default_rng(n_in + n_out + m).standard_normal((n_in, n_out)), dtype)
-    assert n_in * n_out >= SMALL_WEIGHT_ELEMS or form == "dot"
     assert small_row_form(m, w_f32) == (form if ON_CPU else "dot")
     rng = np.random.default_rng(m)
     x = rng.standard_normal((*lead, n_in)).astype(np.float32)
