@@ -66,8 +66,8 @@ def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Arr
     1.4x at M = 24 and 32, about even at M = 64, 2x slower at M = 256. The LM head at M = 3 / 4 (run 2): one-row
     products 18 / 24 ms, x^T dot 27 / 28, dot 30 / 32. Cache-resident weights (the bundled model's) gain more in
     the step than the chained benchmark shows: a YNNPACK product of 2-16 rows there costs 0.1-0.14 ms against
-    0.02-0.05 ms for Eigen's (`bench.step --batches`, profiled per op), so they take the same rule. f16/bf16
-    weights and other backends take the plain dot (no gain measured, or not measured).
+    0.02-0.05 ms for Eigen's (warm steps under `jax.profiler`; `bench/results/small-weights-cpu.json`), so they
+    take the same rule. f16/bf16 weights and other backends take the plain dot (no gain measured, or not measured).
     """
     x = as_matmul_input(x, w)
     precision = matmul_precision(w)
