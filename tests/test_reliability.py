@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 
 import anyio
@@ -84,6 +85,24 @@ class _RaisingDetokenizer:
 
     def flush(self) -> str:
         return ""
+
+
+class GatedTokenizer:
+    """The tokenizer, except that encoding a text of `min_chars` or more waits for `gate` first (as a very long
+    prompt would take its time), so a test decides when that tokenization ends."""
+
+    def __init__(self, tokenizer, min_chars: int):
+        self._tokenizer, self.min_chars = tokenizer, min_chars
+        self.gate, self.waiting = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def encode(self, text: str) -> list[int]:
+        if len(text) >= self.min_chars:
+            self.waiting.set()
+            self.gate.wait(timeout=30)
+        return self._tokenizer.encode(text)
 
 
 def make_engine(model, tokenizer, **options) -> Engine:
@@ -322,13 +341,14 @@ def test_api_key_from_the_environment_and_what_counts_as_loopback(monkeypatch):
 def test_shutdown_ends_running_and_arriving_requests_within_the_deadline(model, tokenizer):
     """In-flight requests and one that arrives during shutdown end with done(cancelled); a client that never
     reads does not hold shutdown past its deadline. A long prompt still tokenizing keeps shutdown waiting (up to
-    its grace period) long enough for the late request to arrive meanwhile."""
+    its grace period); the test holds that tokenization until the late request has had its answer."""
     engine = make_engine(model, tokenizer)
-    server_settings = settings(max_message_bytes=3 << 20, max_prompt_chars=3 << 20)
-    long_prompt = "x y z " * 60_000
+    long_prompt = "x y z " * 2000
+    gated = GatedTokenizer(tokenizer, min_chars=len(long_prompt))
+    server_settings = settings(max_prompt_chars=len(long_prompt), max_message_bytes=2 * len(long_prompt))
 
     async def main():
-        async with serving(engine, tokenizer, server_settings, shutdown_grace_s=5.0) as (url, server, shutdown):
+        async with serving(engine, gated, server_settings, shutdown_grace_s=5.0) as (url, server, shutdown):
             async with connect(url) as ws, connect(url, max_queue=1) as sleeper:
                 for i in range(2):
                     await ws.send(json.dumps({"type": "generate", "id": f"r{i}", "prompt_ids": [1, 2, 3],
@@ -337,13 +357,18 @@ def test_shutdown_ends_running_and_arriving_requests_within_the_deadline(model, 
                                                "max_tokens": 48, "speculative": None}))  # fmt: skip
                 frames = [json.loads(await ws.recv())]
                 await ws.send(json.dumps({"type": "generate", "id": "long", "prompt": long_prompt}))
-                with anyio.fail_after(10):  # shutdown must find the long prompt taken in (it is then tokenizing)
-                    while not any("long" in client.requests for client in server.clients):
-                        await anyio.sleep(0.005)
+                await anyio.to_thread.run_sync(gated.waiting.wait, 10)
+                assert gated.waiting.is_set(), "the long prompt never reached the tokenizer"
                 start = time.perf_counter()
                 shutdown.set()
-                await anyio.sleep(0.05)
+                with anyio.fail_after(10):
+                    while not server.closing:
+                        await anyio.sleep(0.005)
                 await ws.send(json.dumps({"type": "generate", "id": "late", "prompt_ids": [1, 2, 3]}))
+                with anyio.fail_after(10):
+                    while not any(f["type"] == "done" and f["id"] == "late" for f in frames):
+                        frames.append(json.loads(await ws.recv()))
+                gated.gate.set()
                 with pytest.raises(websockets.ConnectionClosed) as closed:
                     while True:
                         frames.append(json.loads(await ws.recv()))
@@ -352,7 +377,10 @@ def test_shutdown_ends_running_and_arriving_requests_within_the_deadline(model, 
                         await anyio.sleep(0.05)
                 return frames, closed.value, time.perf_counter() - start
 
-    frames, closed, took = anyio.run(main)
+    try:
+        frames, closed, took = anyio.run(main)
+    finally:
+        gated.gate.set()
     done = {f["id"]: f for f in frames if f["type"] == "done"}
     assert set(done) == {"r0", "r1", "long", "late"}
     assert all(f["finish_reason"] == "cancelled" for f in done.values())
