@@ -82,13 +82,13 @@ def greedy_pick(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return token, prob
 
 
-def _single_token_batch(tokens, positions, live, page_table) -> StepBatch:
-    """[B] tokens at [B] positions, rows with live False are padding."""
+def _single_token_batch(tokens, positions, live, page_table, logits: bool = True) -> StepBatch:
+    """[B] tokens at [B] positions, rows with live False are padding; logits False: none computed."""
     B = tokens.shape[0]
     return StepBatch(
         tokens=tokens[:, None], positions=positions[:, None], n_tokens=live.astype(jnp.int32),
         page_table=page_table, read_plane=jnp.zeros((B,), jnp.int32), write_planes=jnp.full((B, 1), -1, jnp.int32),
-        logit_rows=jnp.zeros((B, 1), jnp.int32),
+        logit_rows=jnp.zeros((B, 1 if logits else 0), jnp.int32),
     )  # fmt: skip
 
 
@@ -104,28 +104,31 @@ def mtp_catch_up_and_chain(
     Returns drafts [B, n_max], n_drafted [B] and the state with the MTP block's KV written.
     """
     B, T = batch.tokens.shape
-    index = jnp.arange(T + 1)[None, :]  # [1, T+1]
-    tokens = jnp.concatenate([batch.tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
-    tokens = jnp.where(index < n_kept[:, None], tokens, bonus[:, None])  # [B, T+1]
-    hidden_in = jnp.concatenate([hidden_before[:, None], hidden], axis=1)  # [B, T+1, E]
     on = chain.n_chain >= 0
-    n_tokens = jnp.where(on, n_kept + has_bonus.astype(jnp.int32), 0)
     start = batch.positions[:, :1]
     catch_up = StepBatch(
-        tokens=tokens, positions=start + index, n_tokens=n_tokens, page_table=batch.page_table,
-        read_plane=jnp.zeros((B,), jnp.int32), write_planes=jnp.full((B, T + 1), -1, jnp.int32),
-        logit_rows=jnp.zeros((B, 0), jnp.int32),  # no logits here: the chain below computes the ones it needs
+        tokens=batch.tokens, positions=start + jnp.arange(T)[None, :], n_tokens=jnp.where(on, n_kept, 0),
+        page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
+        write_planes=jnp.full((B, T), -1, jnp.int32),
+        logit_rows=jnp.zeros((B, 0), jnp.int32),  # no logits here: the chain computes the ones it needs
     )  # fmt: skip
-    out, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
-    own_hidden = jnp.take_along_axis(out.hidden, n_kept[:, None, None], axis=1)[:, 0]  # [B, E] at the bonus
+    hidden_in = jnp.concatenate([hidden_before[:, None], hidden[:, : T - 1]], axis=1)  # [B, T, E]
+    _, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
     chaining = on & has_bonus & (chain.n_chain >= 1)
-    # Rows that only catch up (the policy is not drafting with the head now) skip the pass over the head.
+    bonus_position = start[:, 0] + n_kept
+
+    def bonus_and_chain(state):
+        hidden_at_kept = jnp.take_along_axis(hidden, jnp.maximum(n_kept - 1, 0)[:, None, None], axis=1)  # [B, 1, E]
+        step = _single_token_batch(bonus, bonus_position, chaining, batch.page_table, logits=False)
+        out, state = mtp_forward(weights, cfg, step, hidden_at_kept, state, vocab)
+        return _chain(weights, cfg, batch.page_table, out.hidden[:, 0], bonus_position, chaining, chain, state,
+                      n_max, vocab)  # fmt: skip
+
+    # Rows that only catch up (the policy is not drafting with the head now) skip the bonus and the chain: the
+    # next step feeds the bonus first and writes its KV then.
     return jax.lax.cond(
-        jnp.any(chaining),
-        lambda state: _chain(weights, cfg, batch.page_table, own_hidden, start[:, 0] + n_kept, chaining, chain,
-                             state, n_max, vocab),
-        lambda state: (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), state),
-        state,
+        jnp.any(chaining), bonus_and_chain,
+        lambda state: (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), state), state,
     )  # fmt: skip
 
 
