@@ -161,27 +161,21 @@ class RollbackCosts:
         >>> RollbackCosts(rebuild_seconds=2.0).expected_rebuild([0.5, 0.5])  # one pass unless neither is wrong
         1.5
         """
-        wrong = [1.0]  # wrong[n]: the chance that n rows are wrong
+        rest = RestCost(self, replay_tokens=0)
         for p in chances:
-            wrong = [(wrong[n] if n < len(wrong) else 0.0) * (1.0 - p) + (wrong[n - 1] * p if n > 0 else 0.0)
-                     for n in range(len(wrong) + 1)]  # fmt: skip
-        per_pass = self.rebuild_rows if self.rebuild_rows > 0 else max(len(chances), 1)
-        return self.rebuild_seconds * sum(q * -(-n // per_pass) for n, q in enumerate(wrong))
+            rest.add_chance(p)
+        return rest.rebuild_seconds()
 
     def rest(self, rows: Sequence[tuple[float, int, int, int | None]], replay_tokens: int,
              replaying: Sequence[float] = ()) -> tuple[Mode | None, float]:
         """The mode rows of (alpha, d, p, pending_max) that do not snapshot take together, and its expected
         seconds: replay when the rebuild passes they add to those of the step's forced replay rows (`replaying`:
         their `rebuild_chance`s) cost less than their checkpoints would, else checkpoint; replay needs a replay
-        pool (replay_tokens > 0)."""
-        if not rows:
-            return None, 0.0
-        checkpoint = self.checkpoint(rows)
-        chances = [rebuild_chance(alpha, min(d, replay_tokens), p) for alpha, d, p, _ in rows]
-        replay = self.expected_rebuild([*replaying, *chances]) - self.expected_rebuild(replaying)
-        if replay_tokens > 0 and replay < checkpoint:
-            return "replay", replay
-        return "checkpoint", checkpoint
+        pool (replay_tokens > 0). `RestCost` computes it one row at a time."""
+        rest = RestCost(self, replay_tokens, replaying)
+        for r in rows:
+            rest.add(r)
+        return rest.cost()
 
     def step(self, n_tokens: int) -> float | None:
         """Seconds of a step whose longest row feeds n_tokens tokens (None: no measured length holds it)."""
@@ -196,12 +190,10 @@ class RollbackCosts:
         row replays, times the largest such lengthening. Without measured lengths: the expected replayed tokens
         at token_seconds each. Plus, per row, the draft steps its replayed tokens forbid once they exceed
         pending_max (None: no limit; see `lost_draft_seconds`)."""
-        lost = sum(self.lost_draft_seconds(alpha, d, pending_max) for alpha, d, _, pending_max in rows)
-        jumps = [(self.step(p + 2 * d + 1), self.step(1 + d)) for _, d, p, _ in rows]
-        if not rows or any(longer is None or shorter is None for longer, shorter in jumps):
-            return lost + sum(expected_replay(alpha, d, p) for alpha, d, p, _ in rows) * self.token_seconds
-        none_replays = math.prod(alpha**d for alpha, d, _, _ in rows)
-        return lost + (1.0 - none_replays) * max(max(longer - shorter, 0.0) for longer, shorter in jumps)
+        rest = RestCost(self, replay_tokens=0)
+        for r in rows:
+            rest.add(r)
+        return rest.checkpoint_seconds()
 
     def lost_draft_seconds(self, alpha: float, d: int, pending_max: int | None) -> float:
         """Expected seconds per step that checkpoint rollback loses to draft steps its replayed tokens forbid.
@@ -249,6 +241,89 @@ def forbidden_draft_rate(alpha: float, d: int, pending_max: int) -> float:
                 overflows += visits[p] * q
     return overflows / sum(visits)
 
+
+
+class RestCost:
+    """`RollbackCosts.rest` of a set of rows built one row at a time, each addition O(1) (O(rows) when a rebuild
+    pass covers more than one row and not all), so that `decide_drafts` weighs every split of its auto rows
+    between snapshot and the rest in O(rows^2) rather than O(rows^3).
+
+    >>> rest = RestCost(RollbackCosts(rebuild_seconds=1.0, step_seconds=((4, 1.0), (8, 3.0))), replay_tokens=3)
+    >>> rest.cost()  # no rows
+    (None, 0.0)
+    >>> rest.add((0.5, 3, 0, None)); rest.cost()  # rebuilt with chance 0.5 against a longer step with 1 - 1/8
+    ('replay', 0.5)
+    """
+
+    def __init__(self, costs: RollbackCosts, replay_tokens: int, replaying: Sequence[float] = ()):
+        self.costs, self.replay_tokens = costs, replay_tokens
+        self.n_rows = 0
+        # checkpoint's terms: forbidden draft steps, the longest lengthening of the next step and the chance that
+        # no row replays, or (some length unmeasured) the expected replayed tokens
+        self.lost = 0.0
+        self.unmeasured = False
+        self.longest_jump = 0.0
+        self.none_replays = 1.0
+        self.replayed_tokens = 0.0
+        # replay's terms: the rebuild's chances, the forced replay rows' first (`base_passes`: their passes alone)
+        self.n_chances = 0
+        self.sum_chances = 0.0
+        self.none_wrong = 1.0
+        self.wrong = [1.0]  # wrong[n]: the chance that n rows are wrong (kept only for passes of several rows)
+        for p in replaying:
+            self.add_chance(p)
+        self.base_passes = self.rebuild_seconds()
+
+    def add_chance(self, p: float) -> None:
+        """A replay row wrong with chance p."""
+        self.n_chances += 1
+        self.sum_chances += p
+        self.none_wrong *= 1.0 - p
+        if self.costs.rebuild_rows > 1:
+            w = self.wrong
+            self.wrong = [w[0] * (1.0 - p)] + [w[n] * (1.0 - p) + w[n - 1] * p for n in range(1, len(w))] + [w[-1] * p]
+
+    def add(self, row: tuple[float, int, int, int | None]) -> None:
+        """One more row of (alpha, d, p, pending_max) in the rest."""
+        alpha, d, p, pending_max = row
+        costs = self.costs
+        self.n_rows += 1
+        self.lost += costs.lost_draft_seconds(alpha, d, pending_max)
+        longer, shorter = costs.step(p + 2 * d + 1), costs.step(1 + d)
+        if longer is None or shorter is None:
+            self.unmeasured = True
+        else:
+            self.longest_jump = max(self.longest_jump, longer - shorter)
+        self.none_replays *= alpha**d
+        self.replayed_tokens += expected_replay(alpha, d, p)
+        self.add_chance(rebuild_chance(alpha, min(d, self.replay_tokens), p))
+
+    def rebuild_seconds(self) -> float:
+        """Expected seconds of the rebuild passes of every chance added (`RollbackCosts.expected_rebuild`)."""
+        costs = self.costs
+        if costs.rebuild_rows == 1:
+            passes = self.sum_chances
+        elif costs.rebuild_rows <= 0:  # one pass covers every row
+            passes = 1.0 - self.none_wrong
+        else:
+            passes = sum(q * -(-n // costs.rebuild_rows) for n, q in enumerate(self.wrong))
+        return costs.rebuild_seconds * passes
+
+    def checkpoint_seconds(self) -> float:
+        """`RollbackCosts.checkpoint` of the rows added."""
+        if self.n_rows == 0 or self.unmeasured:
+            return self.lost + self.replayed_tokens * self.costs.token_seconds
+        return self.lost + (1.0 - self.none_replays) * self.longest_jump
+
+    def cost(self) -> tuple[Mode | None, float]:
+        """The rows' mode and expected seconds (`RollbackCosts.rest`)."""
+        if self.n_rows == 0:
+            return None, 0.0
+        checkpoint = self.checkpoint_seconds()
+        replay = max(self.rebuild_seconds() - self.base_passes, 0.0)
+        if self.replay_tokens > 0 and replay < checkpoint:
+            return "replay", replay
+        return "checkpoint", checkpoint
 
 
 @dataclass(frozen=True)
@@ -338,16 +413,25 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
     # longest on ties).
     replaying = [rebuild_chance(c.alpha, lengths[i], c.n_pending) for i, c in enumerate(candidates)
                  if modes[i] == "replay"]  # fmt: skip
-
-    def cost(n_snapshot: int) -> float:
-        writes = sum(lengths[i] for i in fits[:n_snapshot]) * costs.plane_write_seconds
-        rest = [row(i) for i in auto if i not in fits[:n_snapshot]]
-        return writes + costs.rest(rest, replay_tokens, replaying)[1]
-
-    n_snapshot = min(range(len(fits), -1, -1), key=cost)
+    rest_cost = RestCost(costs, replay_tokens, replaying)
+    fitted = set(fits)
+    for i in auto:
+        if i not in fitted:
+            rest_cost.add(row(i))
+    writes = [0.0]  # writes[n]: the states the first n of `fits` write
+    for i in fits:
+        writes.append(writes[-1] + lengths[i] * costs.plane_write_seconds)
+    n_snapshot, least = len(fits), writes[-1] + rest_cost.cost()[1]
+    if costs.plane_write_seconds > 0:  # otherwise snapshot is the cheapest mode wherever it fits
+        for n in range(len(fits) - 1, -1, -1):
+            rest_cost.add(row(fits[n]))
+            total = writes[n] + rest_cost.cost()[1]
+            if total < least:
+                n_snapshot, least = n, total
     for i in fits[:n_snapshot]:
         modes[i] = "snapshot"
-    rest = sorted(i for i in auto if i not in fits[:n_snapshot])
+    snapshots = set(fits[:n_snapshot])
+    rest = [i for i in auto if i not in snapshots]
     mode, _ = costs.rest([row(i) for i in rest], replay_tokens, replaying)
     for i in rest:
         if mode == "replay":

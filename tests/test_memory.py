@@ -259,3 +259,21 @@ def test_the_worked_examples_in_the_rule_hold():
     import scheduler.memory
 
     assert doctest.testmod(scheduler.memory).failed == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.tuples(st.sampled_from(["auto", "auto", "replay", "checkpoint"]), st.integers(1, 6),
+                               st.integers(0, 3), st.sampled_from([0.0, 0.3, 0.6, 0.9, 1.0])),
+                     min_size=1, max_size=24),
+       rebuild_rows=st.sampled_from([0, 1, 2]), rebuild=st.sampled_from([0.0, 0.5, 1.0]))
+def test_auto_snapshots_wherever_planes_fit_when_writes_are_free(rows, rebuild_rows, rebuild):
+    # Snapshot then costs nothing, and every other mode costs at least nothing: every auto row that may draft
+    # snapshots, however many rows the step has and whatever the forced replay rows beside them will rebuild.
+    cands = [DraftCandidate(i, want, pref, kv_end=1, pages_owned=1, spare_planes=1, n_pending=pending, alpha=alpha,
+                            pending_max=4)
+             for i, (pref, want, pending, alpha) in enumerate(rows)]  # fmt: skip
+    costs = RollbackCosts(token_seconds=1.0, rebuild_seconds=rebuild, rebuild_rows=rebuild_rows,
+                          step_seconds=((1, 1.0), (8, 2.0), (16, 3.0)), plane_write_seconds=0.0)
+    out = decide_drafts(cands, token_budget=1000, free_pages=1000, free_planes=1000, page_size=4, replay_tokens=8,
+                        costs=costs)
+    assert all(d.mode == "snapshot" and d.n_drafts == c.want for d, c in zip(out, cands) if c.preference == "auto")
