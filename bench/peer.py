@@ -15,6 +15,11 @@ Needs the `[peer]` extra (llama-cpp-python; see the README's Benchmarks section)
   (a speculative verify step), per T in `--verify-t`: ms per call (median of `--steps`) and the ratio to T = 1.
   The memory is cleared and the context prefilled again before every timed call (a hybrid model's recurrent
   state cannot be rolled back by position), untimed.
+- ours (only with `--ours-rounds N`): N rounds, each llama.cpp's greedy decode of every prompt (C API, as above)
+  and then our engine's (`scheduler.Engine`, one stream, the prompts one after another, the same prompt ids, each
+  of `--ours-drafters` in turn), so that both run on the same machine in the same minutes; end-to-end tokens/s
+  (prefill included) per round for both, and the median of the per-round ratios, which cancels a shared machine's
+  drift.
 - server (only with `--server-bin PATH`): llama-server on a loopback port, once per `--server-modes` entry
   (`none`, `draft-mtp`, `ngram-simple`, `ngram-mod`, ..., `draft-simple` with `--draft-model`), each prompt
   sent to `/completion` (n_predict `--max-tokens`, temperature 0, cache_prompt false); tokens/s and
@@ -374,6 +379,63 @@ def run_server_mode(server_bin: str, model: str, mode: str, prompts, *, threads:
     }  # fmt: skip
 
 
+def interleave_ours(peer: LlamaCpp, model_path: str, tokenized: list[list[int]], *, rounds: int, max_tokens: int,
+                    stop_at_eog: bool, policies: list[str], n_ctx: int) -> dict:
+    """`rounds` rounds of llama.cpp's greedy decode of every prompt, then our engine's with each drafter policy
+    ("plain", or drafters joined by commas); end-to-end tokens/s per round and the median per-round ratio."""
+    import anyio
+
+    from drafters.policy import SpeculativeConfig
+    from jaxmodel import load_model
+    from jaxmodel.tokenizer import load_tokenizer
+    from scheduler import Engine, GenerationRequest, TokensEvent
+
+    tokenizer = load_tokenizer(model_path)
+    engine = Engine(load_model(model_path), tokenizer=tokenizer, max_running=1, max_model_len=n_ctx, n_max=3,
+                    stop_token_ids=None if stop_at_eog else ())  # fmt: skip
+    engine.warmup()
+    rates: dict[str, list[float]] = {"llama.cpp": [], **{p: [] for p in policies}}
+    equal: dict[str, list[int]] = {p: [] for p in policies}
+
+    async def ours(policy: str) -> tuple[float, list[list[int]]]:
+        drafters = tuple(d for d in policy.split(",") if d and d != "plain")
+        spec = SpeculativeConfig(drafters, n_max=3) if drafters else None
+        out, start = [], time.perf_counter()
+        for ids in tokenized:
+            tokens = []
+            async for event in engine.generate(GenerationRequest(tuple(ids), max_tokens, speculative=spec)):
+                if isinstance(event, TokensEvent):
+                    tokens += event.token_ids
+            out.append(tokens)
+        return sum(map(len, out)) / (time.perf_counter() - start), out
+
+    async def run_rounds():
+        async with engine:
+            for policy in policies:  # warm-up: every shape the prompts need is compiled before the first round
+                await ours(policy)
+            for r in range(rounds):
+                start, theirs = time.perf_counter(), []
+                for ids in tokenized:
+                    theirs.append(peer.greedy(ids, max_tokens, stop_at_eog=stop_at_eog)["tokens"])
+                rates["llama.cpp"].append(sum(map(len, theirs)) / (time.perf_counter() - start))
+                for policy in policies:
+                    rate, tokens = await ours(policy)
+                    rates[policy].append(rate)
+                    equal[policy].append(sum(a == b for a, b in zip(tokens, theirs)))
+                print(f"ours    round {r + 1}: llama.cpp {rates['llama.cpp'][-1]:8.1f} tokens/s, " + ", ".join(
+                    f"{p} {rates[p][-1]:8.1f}" for p in policies), flush=True)  # fmt: skip
+
+    anyio.run(run_rounds)
+    peer_rates = rates["llama.cpp"]
+    return {
+        "rounds": rounds, "engine": {"max_running": 1, "n_max": 3, "iterations": engine.iterations},
+        "llama_cpp_tokens_per_s": peer_rates, "llama_cpp_median": statistics.median(peer_rates),
+        "ours": {p: {"tokens_per_s": rates[p], "median": statistics.median(rates[p]),
+                     "ratio_to_llama_cpp_paired": statistics.median(a / b for a, b in zip(rates[p], peer_rates)),
+                     "prompts_equal_to_llama_cpp": equal[p]} for p in policies},
+    }  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------- main
 
 
@@ -390,6 +452,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-stop", action="store_true", help="decode max-tokens even past end-of-generation")
     parser.add_argument("--check-ours", action="store_true",
                         help="also rescore llama.cpp's sequences with our model and count argmax differences")
+    parser.add_argument("--ours-rounds", type=int, default=0,
+                        help="also time our engine against llama.cpp's decode, in this many alternating rounds")
+    parser.add_argument("--ours-drafters", default="plain",
+                        help="our drafter policies for --ours-rounds, ';'-separated (e.g. 'plain;ngram;mtp')")
     parser.add_argument("--server-bin", help="llama-server binary: also measure its speculative modes")
     parser.add_argument("--server-modes", default="none,draft-mtp,ngram-simple",
                         help="comma-separated: none or a --spec-type value (draft-simple needs --draft-model)")
@@ -462,6 +528,15 @@ def main(argv=None) -> dict:
             print(f"verify  T {T:3d}: {ms:8.2f} ms/call  {ms / base:5.2f}x T=1 (median); min {min(times) * 1e3:8.2f} "
                   f"ms/call  {min(times) * 1e3 / base_min:5.2f}x T=1", flush=True)  # fmt: skip
         results["verify"] = {"context": args.context, "steps": args.steps, "rows": verify}
+
+        if args.ours_rounds > 0:
+            policies = [p for p in args.ours_drafters.split(";") if p]
+            results["interleaved"] = interleave_ours(peer, args.model, tokenized, rounds=args.ours_rounds,
+                                                     max_tokens=args.max_tokens, stop_at_eog=not args.no_stop,
+                                                     policies=policies, n_ctx=n_ctx)  # fmt: skip
+            for p, r in results["interleaved"]["ours"].items():
+                print(f"ours    {p}: median {r['median']:.1f} tokens/s, "
+                      f"{r['ratio_to_llama_cpp_paired']:.2f}x llama.cpp (median of per-round ratios)", flush=True)
 
     if args.check_ours:
         results["ours_vs_peer"] = check_ours(args.model, per_prompt)

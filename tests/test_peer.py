@@ -75,3 +75,23 @@ def test_llama_cpp_loads_our_moe_presets_and_computes_our_logits(tmp_path, prese
         theirs = np.stack([peer.logits(i).copy() for i in range(len(tokens))])
     np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0)
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_bench_peer_times_our_engine_against_llama_cpp_in_alternating_rounds(tmp_path):
+    """`--ours-rounds`: llama.cpp's greedy decode and our engine's, round by round, on the same prompt ids; our
+    plain and n-gram tokens equal llama.cpp's on a prompt where our argmax agrees with it at every position."""
+    _llama_cpp_or_skip()
+    from bench.peer import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(CODE[0])
+    out = tmp_path / "peer.json"
+    results = main(["--prompts", str(prompts), "--max-tokens", "16", "--threads", "1", "--verify-t", "1",
+                    "--steps", "1", "--ours-rounds", "2", "--ours-drafters", "plain;ngram", "--out", str(out)])
+    interleaved = results["interleaved"]
+    assert len(interleaved["llama_cpp_tokens_per_s"]) == 2
+    for policy in ("plain", "ngram"):
+        ours = interleaved["ours"][policy]
+        assert len(ours["tokens_per_s"]) == 2 and ours["ratio_to_llama_cpp_paired"] > 0
+        assert ours["prompts_equal_to_llama_cpp"] == [1, 1]
+    assert out.exists()
