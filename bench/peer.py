@@ -385,14 +385,14 @@ def interleave_ours(peer: LlamaCpp, model_path: str, tokenized: list[list[int]],
     ("plain", or drafters joined by commas); end-to-end tokens/s per round and the median per-round ratio."""
     import anyio
 
+    from bench.speculation import _stream
     from drafters.policy import SpeculativeConfig
     from jaxmodel import load_model
     from jaxmodel.tokenizer import load_tokenizer
-    from scheduler import Engine, GenerationRequest, TokensEvent
+    from scheduler import Engine, GenerationRequest
 
-    tokenizer = load_tokenizer(model_path)
-    engine = Engine(load_model(model_path), tokenizer=tokenizer, max_running=1, max_model_len=n_ctx, n_max=3,
-                    stop_token_ids=None if stop_at_eog else ())  # fmt: skip
+    engine = Engine(load_model(model_path), tokenizer=load_tokenizer(model_path), max_running=1, max_model_len=n_ctx,
+                    n_max=3, stop_token_ids=None if stop_at_eog else ())  # fmt: skip
     engine.warmup()
     rates: dict[str, list[float]] = {"llama.cpp": [], **{p: [] for p in policies}}
     equal: dict[str, list[int]] = {p: [] for p in policies}
@@ -402,11 +402,7 @@ def interleave_ours(peer: LlamaCpp, model_path: str, tokenized: list[list[int]],
         spec = SpeculativeConfig(drafters, n_max=3) if drafters else None
         out, start = [], time.perf_counter()
         for ids in tokenized:
-            tokens = []
-            async for event in engine.generate(GenerationRequest(tuple(ids), max_tokens, speculative=spec)):
-                if isinstance(event, TokensEvent):
-                    tokens += event.token_ids
-            out.append(tokens)
+            out.append((await _stream(engine, GenerationRequest(tuple(ids), max_tokens, speculative=spec)))["tokens"])
         return sum(map(len, out)) / (time.perf_counter() - start), out
 
     async def run_rounds():

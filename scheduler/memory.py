@@ -49,7 +49,6 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -421,18 +420,18 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
     writes = [0.0]  # writes[n]: the states the first n of `fits` write
     for i in fits:
         writes.append(writes[-1] + lengths[i] * costs.plane_write_seconds)
-    n_snapshot, least = len(fits), writes[-1] + rest_cost.cost()[1]
+    mode, seconds = rest_cost.cost()
+    n_snapshot, least = len(fits), writes[-1] + seconds
     if costs.plane_write_seconds > 0:  # otherwise snapshot is the cheapest mode wherever it fits
         for n in range(len(fits) - 1, -1, -1):
             rest_cost.add(row(fits[n]))
-            total = writes[n] + rest_cost.cost()[1]
-            if total < least:
-                n_snapshot, least = n, total
+            rest_mode, seconds = rest_cost.cost()
+            if writes[n] + seconds < least:
+                n_snapshot, least, mode = n, writes[n] + seconds, rest_mode
     for i in fits[:n_snapshot]:
         modes[i] = "snapshot"
     snapshots = set(fits[:n_snapshot])
     rest = [i for i in auto if i not in snapshots]
-    mode, _ = costs.rest([row(i) for i in rest], replay_tokens, replaying)
     for i in rest:
         if mode == "replay":
             d = min(lengths[i], replay_tokens)
