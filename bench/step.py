@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import time
 
 import jax
 import numpy as np
 
 from jaxmodel import load_model
+from jaxmodel.host_memory import retain_freed_memory
 from jaxmodel.precision import default_weight_dtype
 from jaxmodel.state import Row, bucket, pack_batch
 from bench import copy_bandwidth, save_json
@@ -37,10 +39,11 @@ def _prefilled(model, n_seqs: int, context: int, page_size: int = 16):
 
 
 def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: str | None = None
-               ) -> tuple[float, float]:
+               ) -> tuple[float, float, float]:
     """Seconds per step of n_seqs rows feeding T tokens each (snapshot planes, ping-pong): the host's view
     (packing each batch on the host and reading the logits back every step) and the device's (the same packed
-    batch dispatched `steps` times, read back once). hlo_path: write the compiled step's HLO there."""
+    batch dispatched `steps` times, read back once); and the process's minor page faults per step in the
+    host's view. hlo_path: write the compiled step's HLO there."""
     state, pages = _prefilled(model, n_seqs, context)
     rng = np.random.default_rng(1)
 
@@ -55,11 +58,13 @@ def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: s
 
     out, state = model.step(model.weights, batch=batch(0), state=state)  # compile
     jax.block_until_ready(out.logits)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for i in range(steps):
         out, state = model.step(model.weights, batch=batch(i + 1), state=state)
         np.asarray(out.logits)  # the host needs the logits every step
     host = (time.perf_counter() - start) / steps
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     fixed = jax.device_put(batch(1))
     if hlo_path:
         text = model.step.lower(model.weights, batch=fixed, state=state).compile().as_text()
@@ -71,7 +76,7 @@ def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: s
     for _ in range(steps):
         out, state = model.step(model.weights, batch=fixed, state=state)
     jax.block_until_ready(out.logits)
-    return host, (time.perf_counter() - start) / steps
+    return host, (time.perf_counter() - start) / steps, faults
 
 
 def main(argv=None) -> dict:
@@ -101,14 +106,16 @@ def main(argv=None) -> dict:
         "context": args.context,
         "weight_dtype": args.weight_dtype or default_weight_dtype(),
         "weight_bytes": weight_bytes,
+        "retain_freed_memory": retain_freed_memory(),
         "copy_gb_per_s": copy_bytes_per_s / 1e9,
         "roofline_ms": roofline_ms,
         "decode": [],
         "verify": [],
     }
     for b in map(int, args.batches.split(",")):
-        sec, device = time_steps(model, b, 1, args.context, args.steps, args.hlo if b == 1 else None)
+        sec, device, faults = time_steps(model, b, 1, args.context, args.steps, args.hlo if b == 1 else None)
         results["decode"].append({"batch": b, "step_ms": sec * 1e3, "device_step_ms": device * 1e3,
+                                  "page_faults_per_step": faults,
                                   "tokens_per_s": b / sec, "over_roofline": sec * 1e3 / roofline_ms,
                                   "device_over_roofline": device * 1e3 / roofline_ms})
         print(f"decode  batch {b:3d}: {sec * 1e3:8.2f} ms/step  {b / sec:8.2f} tokens/s  "
@@ -116,9 +123,10 @@ def main(argv=None) -> dict:
               f"{device * 1e3 / roofline_ms:5.2f}x", flush=True)
     base = base_device = None
     for t in map(int, args.verify_t.split(",")):
-        sec, device = time_steps(model, 1, t, args.context, args.steps)
+        sec, device, faults = time_steps(model, 1, t, args.context, args.steps)
         base, base_device = base or sec, base_device or device
         results["verify"].append({"T": t, "step_ms": sec * 1e3, "ratio_to_T1": sec / base,
+                                  "page_faults_per_step": faults,
                                   "device_step_ms": device * 1e3, "device_ratio_to_T1": device / base_device})
         print(f"verify  T {t:3d}: {sec * 1e3:8.2f} ms/step  {sec / base:5.2f}x T=1; device alone "
               f"{device * 1e3:8.2f} ms  {device / base_device:5.2f}x", flush=True)
