@@ -366,9 +366,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from jaxmodel.host_memory import retain_freed_memory
-
-    retain_freed_memory()  # before JAX starts its threads
     args = build_parser().parse_args(argv)
     return args.func(args)
 

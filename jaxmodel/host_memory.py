@@ -1,15 +1,20 @@
 """Keep the host heap's freed memory for reuse instead of handing it back to the kernel after every step.
 
 XLA's CPU runtime allocates each step's temporaries with `malloc` and frees them when the step ends. glibc serves
-an allocation above its mmap threshold (at most 32 MiB), or any allocation too big for a thread's 64 MiB heap,
-with a fresh `mmap` and returns it with `munmap` on free, so every step touches new pages: at the Qwen3.5-0.8B
-shape one 4-token verify step maps a 96 MB temporary from an XLA worker thread and takes 23,000 page faults
-(about a quarter of its CPU time in the kernel). With one arena, no mmap and no trimming, the same step takes none.
+an allocation above its mmap threshold (which grows to at most 32 MiB) with a fresh `mmap` and returns it with
+`munmap` on free, and hands the freed top of a heap back to the kernel, so every step touches new pages: at the
+Qwen3.5-0.8B shape a one-token decode step took 10,000 page faults, a quarter of its CPU time in the kernel.
+Without mmap and without trimming, freed blocks stay in the heaps and the next step reuses them without a fault.
 
-`retain_freed_memory()` sets that up through `mallopt`. It must run before the XLA CPU client starts its threads
-(a thread keeps the arena it first allocated from), so the command line calls it first thing and `load_model`
-calls it again for library users. GDNSPEC_SYSTEM_MALLOC=1 leaves glibc's defaults alone. Elsewhere than glibc it
-does nothing.
+A block bigger than a thread arena's 64 MiB heap is still mapped fresh: XLA allocates a step's temporaries as one
+block from a worker thread, 96 MB for the 0.8B's 4-token verify step. Only the main arena (grown with `brk`)
+keeps such blocks, so for models whose steps have them `single_arena` sends every thread there. It is not the
+default because the threads then share one lock for every allocation: on the bundled model, whose steps are
+short and allocate often, one stream lost about a third of its throughput to that lock.
+
+`retain_freed_memory` sets this up through `mallopt`; `load_model` calls it, from the model's GDN state size,
+before JAX starts its threads (a thread keeps the arena it first allocates from). GDNSPEC_SYSTEM_MALLOC=1 leaves
+glibc's defaults alone. Elsewhere than glibc it does nothing.
 """
 
 from __future__ import annotations
@@ -24,10 +29,15 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 
+THREAD_HEAP_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: the largest block a thread arena's heap holds
+
 
 @functools.cache
-def retain_freed_memory() -> bool:
-    """Configure glibc malloc to reuse freed memory (see the module docstring). True if it took effect."""
+def retain_freed_memory(single_arena: bool = False) -> bool:
+    """Configure glibc malloc to reuse freed memory (see the module docstring). True if it took effect.
+
+    single_arena: every thread allocates from the main arena, which also keeps blocks above THREAD_HEAP_BYTES;
+    for threads that have not allocated yet."""
     if os.environ.get("GDNSPEC_SYSTEM_MALLOC", "") not in ("", "0"):
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
@@ -35,5 +45,5 @@ def retain_freed_memory() -> bool:
     libc = ctypes.CDLL(None)
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    settings = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
+    settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1)) + (((M_ARENA_MAX, 1),) if single_arena else ())
     return all(mallopt(option, value) == 1 for option, value in settings)

@@ -17,11 +17,13 @@ import numpy as np
 from .config import ModelConfig
 from .gdn import gdn_mixer, gdn_rebuild
 from .gguf_io import read_gguf, to_device
-from .host_memory import retain_freed_memory
+from .host_memory import THREAD_HEAP_BYTES, retain_freed_memory
 from .layers import linear, paged_attention, rms_norm
 from .moe import ffn
 from .precision import cast_matmul_weights, default_weight_dtype
-from .state import ModelState, Row, StepBatch, StepOutput, bucket, init_state, pack_batch, scatter_planes
+from .state import (
+    ModelState, Row, StepBatch, StepOutput, bucket, bytes_per_plane, init_state, pack_batch, scatter_planes,
+)  # fmt: skip
 from .weights import Layer, Mtp, Weights, pytree
 
 
@@ -207,7 +209,9 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     (exact F16 parity; slower on CPU, see docs/design.md). weight_dtype: "float32" or "bfloat16" for the matmul
     weights (`jaxmodel.precision`); None: the default backend's choice (bfloat16 on GPU, float32 on CPU).
     """
-    retain_freed_memory()
     cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16)
+    # A verify step's temporaries hold about one GDN plane per fed token; where 4 tokens' outgrow a thread's heap,
+    # only the main arena keeps them for the next step (jaxmodel.host_memory).
+    retain_freed_memory(single_arena=4 * bytes_per_plane(cfg) > THREAD_HEAP_BYTES)
     weights = cast_matmul_weights(weights, weight_dtype or default_weight_dtype())
     return Model(cfg, weights, path=str(path))
