@@ -13,7 +13,9 @@ default because the threads then share one lock for every allocation: on the bun
 short and allocate often, one stream lost about a third of its throughput to that lock.
 
 `retain_freed_memory` sets this up through `mallopt`; `load_model` calls it, from the model's GDN state size,
-before JAX starts its threads (a thread keeps the arena it first allocates from). GDNSPEC_SYSTEM_MALLOC=1 leaves
+before JAX starts its threads (a thread keeps the arena it first allocates from), and when the weights are on the
+device it hands back what loading freed (`release_freed_memory`): without trimming, the file's dequantized copies
+would stay in the process for good. GDNSPEC_SYSTEM_MALLOC=1 leaves
 glibc's defaults alone. Elsewhere than glibc it does nothing.
 """
 
@@ -47,3 +49,10 @@ def retain_freed_memory(single_arena: bool = False) -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1)) + (((M_ARENA_MAX, 1),) if single_arena else ())
     return all(mallopt(option, value) == 1 for option, value in settings)
+
+
+def release_freed_memory() -> None:
+    """Hand the heaps' free pages back to the kernel now (`malloc_trim`), once, after a burst of garbage such as
+    loading weights; the step's temporaries are allocated again, and kept, on the next call."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)

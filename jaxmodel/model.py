@@ -17,7 +17,7 @@ import numpy as np
 from .config import ModelConfig
 from .gdn import gdn_mixer, gdn_rebuild
 from .gguf_io import read_gguf, to_device
-from .host_memory import THREAD_HEAP_BYTES, retain_freed_memory
+from .host_memory import THREAD_HEAP_BYTES, release_freed_memory, retain_freed_memory
 from .layers import linear, paged_attention, rms_norm
 from .moe import ffn
 from .precision import cast_matmul_weights, default_weight_dtype
@@ -214,4 +214,7 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     # only the main arena keeps them for the next step (jaxmodel.host_memory).
     retain_freed_memory(single_arena=4 * bytes_per_plane(cfg) > THREAD_HEAP_BYTES)
     weights = cast_matmul_weights(weights, weight_dtype or default_weight_dtype())
-    return Model(cfg, weights, path=str(path))
+    model = Model(cfg, weights, path=str(path))
+    del weights
+    release_freed_memory()
+    return model
