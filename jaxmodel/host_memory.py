@@ -15,8 +15,8 @@ short and allocate often, one stream lost about a third of its throughput to tha
 `retain_freed_memory` sets this up through `mallopt`; `load_model` calls it, from the model's GDN state size,
 before JAX starts its threads (a thread keeps the arena it first allocates from), and when the weights are on the
 device it hands back what loading freed (`release_freed_memory`): without trimming, the file's dequantized copies
-would stay in the process for good. GDNSPEC_SYSTEM_MALLOC=1 leaves
-glibc's defaults alone. Elsewhere than glibc it does nothing.
+would stay in the process for good. GDNSPEC_SYSTEM_MALLOC=1 leaves glibc's defaults alone. Elsewhere than glibc it
+does nothing.
 """
 
 from __future__ import annotations
@@ -34,17 +34,22 @@ M_ARENA_MAX = -8
 THREAD_HEAP_BYTES = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: the largest block a thread arena's heap holds
 
 
+def glibc() -> ctypes.CDLL | None:
+    """The process's C library where it is glibc (whose `mallopt` and `malloc_trim` this module uses), else None."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    return ctypes.CDLL(None)
+
+
 @functools.cache
 def retain_freed_memory(single_arena: bool = False) -> bool:
     """Configure glibc malloc to reuse freed memory (see the module docstring). True if it took effect.
 
     single_arena: every thread allocates from the main arena, which also keeps blocks above THREAD_HEAP_BYTES;
     for threads that have not allocated yet."""
-    if os.environ.get("GDNSPEC_SYSTEM_MALLOC", "") not in ("", "0"):
+    libc = glibc()
+    if libc is None or os.environ.get("GDNSPEC_SYSTEM_MALLOC", "") not in ("", "0"):
         return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     settings = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1)) + (((M_ARENA_MAX, 1),) if single_arena else ())
@@ -54,5 +59,6 @@ def retain_freed_memory(single_arena: bool = False) -> bool:
 def release_freed_memory() -> None:
     """Hand the heaps' free pages back to the kernel now (`malloc_trim`), once, after a burst of garbage such as
     loading weights; the step's temporaries are allocated again, and kept, on the next call."""
-    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
-        ctypes.CDLL(None).malloc_trim(0)
+    libc = glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

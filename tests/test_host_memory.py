@@ -1,11 +1,12 @@
 """`retain_freed_memory`: a step's large temporaries, freed and allocated again, reuse their pages."""
 
 import os
-import platform
 import subprocess
 import sys
 
 import pytest
+
+from jaxmodel.host_memory import glibc
 
 # Allocates, touches and frees a block three times in a worker thread (as XLA's CPU runtime does with a step's
 # temporaries) and prints whether the settings took effect and the page faults each round took.
@@ -34,8 +35,7 @@ print(*faults)
 WITHIN_THREAD_HEAP = 48 << 20  # glibc's thread heaps hold up to 64 MiB
 BEYOND_THREAD_HEAP = 96 << 20  # the 0.8B shape's 4-token verify step allocates a 96 MB block
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="mallopt is glibc's")
+pytestmark = pytest.mark.skipif(glibc() is None, reason="mallopt is glibc's")
 
 
 def _probe(size: int, single_arena: bool = False, system_malloc: bool = False) -> tuple[bool, list[int]]:
