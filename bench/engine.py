@@ -135,7 +135,7 @@ def run(args) -> dict:
         sizes = engine.memory.sizes
         rebuild_seconds, rebuild_rows = engine.runtime.rebuild_cost(concurrency) or (None, None)
         calibrated = {"concurrency": concurrency, "budget_mb": budget_mb,
-                      "plane_write_seconds": engine.runtime.plane_write_seconds,
+                      "plane_write_seconds": engine.runtime.plane_write_cost(concurrency),
                       "rebuild_seconds": rebuild_seconds, "rebuild_rows": rebuild_rows,
                       "step_seconds": engine.runtime.step_costs(concurrency)}  # what auto weighs
         out.setdefault("calibrated", []).append(calibrated)

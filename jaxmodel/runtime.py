@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -102,7 +103,7 @@ class Calibration:
     rebuild_seconds: dict[int, float] = field(default_factory=dict)  # rows -> one pass of the replay rebuild
     # (rows, tokens per row) -> the longer verify steps that replayed tokens (checkpoint rollback) lead to
     longer_step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
-    plane_write_seconds: float | None = None  # what writing one more GDN state into a plane adds to a step
+    plane_write_seconds: dict[int, float] = field(default_factory=dict)  # rows -> one more GDN state written
 
 
 @dataclass(frozen=True)
@@ -170,16 +171,20 @@ def _compiled(cfg: ModelConfig):
 
 def plane_write_cost(without: Sequence[float], with_writes: Sequence[float], n_planes: int) -> float:
     """Seconds one GDN state written into a plane adds to a step, from runs of the same step without and with
-    n_planes such writes: the difference of the fastest runs, less the spread of the runs without writes (a
-    difference within what runs of the same step differ by is no evidence that writes cost).
+    n_planes more such writes, run in turn: the median of the paired differences, when the runs with writes were
+    slower often enough that noise alone would do it at most 5 % of the time (a one-sided sign test), else 0. A
+    shared machine's spread is tens of milliseconds in a 0.6 s step, so one pair's difference means little, and
+    writes that cost nothing measurable must not trade snapshot for another mode over noise.
 
-    >>> plane_write_cost([1.00, 1.02, 1.05], [1.01, 1.03, 1.04], 4)  # within the noise
+    >>> plane_write_cost([1.00, 1.02, 1.05, 1.01], [1.01, 1.03, 1.04, 1.02], 4)  # 3 of 4 slower: within the noise
     0.0
-    >>> round(plane_write_cost([1.00, 1.02, 1.05], [1.42, 1.43, 1.45], 4), 3)  # (0.42 - 0.02) / 4
-    0.1
+    >>> round(plane_write_cost([1.00, 1.02, 1.05, 1.01, 1.00], [1.42, 1.43, 1.45, 1.41, 1.60], 4), 3)  # 0.41 / 4
+    0.102
     """
-    noise = statistics.median(without) - min(without)
-    return max(min(with_writes) - min(without) - noise, 0.0) / n_planes
+    differences = [w - o for o, w in zip(without, with_writes, strict=True)]
+    slower = sum(d > 0 for d in differences)
+    p_noise = sum(math.comb(len(differences), k) for k in range(slower, len(differences) + 1)) / 2 ** len(differences)
+    return max(statistics.median(differences), 0.0) / n_planes if p_noise <= 0.05 else 0.0
 
 
 class Runtime:
@@ -223,7 +228,7 @@ class Runtime:
         self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
         self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds one pass of the replay rebuild takes
         self.step_seconds: dict[tuple[int, int], float] = {}  # (batch bucket, tokens per row) -> a verify step
-        self.plane_write_seconds: float | None = None  # one GDN state written into a plane (see calibrate)
+        self.plane_write_seconds: dict[int, float] = {}  # batch bucket -> one more GDN state written (see calibrate)
 
     @property
     def replay_tokens(self) -> int:
@@ -402,11 +407,13 @@ class Runtime:
         at small shapes, to be told from a step's noise as a difference of two steps), and the verify steps of every
         compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before `last` can lead to (what
         checkpoint rollback costs). With `spare_planes` (planes no sequence holds, which it overwrites), also the
-        one-row verify step writing the state after each of its tokens into them, whose extra time per plane is what
-        snapshot rollback's writes cost (`plane_write_seconds`; the two run in turn, and less the spread of the runs
-        without writes, so that noise is not taken for a cost). The minimum of `repeats` runs each; call after `warmup`
-        (these shapes compile; the rebuild compiles here). Also keeps the chain, rebuild, step and write costs for
-        `chain_cost`, `rebuild_cost`, `step_costs` and `plane_write_seconds`."""
+        verify step of every batch bucket writing the state after each of its tokens into them (several rows, and
+        tokens beyond their number, share planes), against the same step writing one state per row as replay and
+        checkpoint rows do: its extra time per state is what snapshot rollback's writes cost at that many rows
+        (`plane_write_seconds`; 2 x `repeats` pairs run in turn, weighed by `plane_write_cost` so that noise is not
+        taken for a cost). Otherwise the minimum of `repeats` runs each; call after `warmup` (these shapes compile; the
+        rebuild compiles here). Also keeps the chain, rebuild, step and write costs for `chain_cost`,
+        `rebuild_cost`, `step_costs` and `plane_write_cost`."""
         calibration = Calibration()
         if self.shapes is None:
             return calibration
@@ -436,14 +443,15 @@ class Runtime:
                 lengths = {self.shapes.tokens(k) for k in range(1 + self.replay_tokens, 3 * self.replay_tokens + 2)}
                 for T in sorted(lengths - {T for b, T in calibration.step_seconds if b == B}):
                     calibration.longer_step_seconds[B, T] = best(B, T, -1)
-        written = list(spare_planes)[:T_verify]
-        if written:
-            runs = [(timed(1, T_verify, -1), timed(1, T_verify, -1, written)) for _ in range(repeats)]  # in turn
-            calibration.plane_write_seconds = plane_write_cost(*zip(*runs), len(written))
+            if spare_planes and T_verify > 1:
+                every = [spare_planes[t % len(spare_planes)] for t in range(T_verify)]
+                one = [-1] * (T_verify - 1) + [spare_planes[0]]
+                runs = [(timed(B, T_verify, -1, one), timed(B, T_verify, -1, every)) for _ in range(2 * repeats)]
+                calibration.plane_write_seconds[B] = plane_write_cost(*zip(*runs), B * (T_verify - 1))
         self.chain_seconds = dict(calibration.chain_seconds)
         self.rebuild_seconds = dict(calibration.rebuild_seconds)
         self.step_seconds = {**calibration.step_seconds, **calibration.longer_step_seconds}
-        self.plane_write_seconds = calibration.plane_write_seconds
+        self.plane_write_seconds = dict(calibration.plane_write_seconds)
         return calibration
 
     def _batch_bucket(self, n_rows: int) -> int:
@@ -453,6 +461,10 @@ class Runtime:
     def chain_cost(self, n_rows: int) -> float:
         """Seconds one chained draft adds to a step of n_rows rows (0 before `calibrate`)."""
         return self.chain_seconds.get(self._batch_bucket(n_rows), 0.0)
+
+    def plane_write_cost(self, n_rows: int) -> float:
+        """Seconds one more GDN state written into a plane adds to a step of n_rows rows (0 before `calibrate`)."""
+        return self.plane_write_seconds.get(self._batch_bucket(n_rows), 0.0)
 
     def _time_rebuild(self, B: int, repeats: int) -> float:
         """The minimum over `repeats` runs (after one that compiles) of one pass of the replay rebuild in a step

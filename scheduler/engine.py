@@ -198,16 +198,15 @@ class Engine:
         return events
 
     def _rollback_costs(self) -> RollbackCosts:
-        """What each rollback mode costs now, for the memory rule's choice: the rebuild's and the verify steps'
-        calibrated costs at this many rows, snapshot's calibrated cost per state written, and the policy's measured
-        per-token cost of a target step (what replayed tokens cost until calibrated; the rebuild then costs as much
-        as one of them)."""
+        """What each rollback mode costs now, for the memory rule's choice: the rebuild's, the verify steps' and
+        snapshot's per state written, as calibrated at this many rows, and the policy's measured per-token cost of a
+        target step (what replayed tokens cost until calibrated; the rebuild then costs as much as one of them)."""
         n_rows = max(self.scheduler.n_running, 1)
         per_token = self.policy.token_seconds(n_rows)
         rebuild_seconds, rebuild_rows = self.runtime.rebuild_cost(n_rows) or (per_token, 0)
         return RollbackCosts(token_seconds=per_token, rebuild_seconds=rebuild_seconds, rebuild_rows=rebuild_rows,
                              step_seconds=self.runtime.step_costs(n_rows),
-                             plane_write_seconds=self.runtime.plane_write_seconds or 0.0)
+                             plane_write_seconds=self.runtime.plane_write_cost(n_rows))
 
     def _record_costs(self, plan: StepPlan, rows: list[StepRow], results, seconds: float) -> None:
         """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain

@@ -241,5 +241,5 @@ def test_requests_are_served_while_shapes_compile_in_the_background(target, prom
     tokens, engine = anyio.run(main)
     assert tokens == references[prompts[0]]
     assert set(engine.runtime.chain_seconds) == {1}  # calibrated: one batch bucket, the MTP head chains
-    assert engine.runtime.plane_write_seconds is not None  # in planes lent while idle, and given back:
+    assert set(engine.runtime.plane_write_seconds) == {1}  # in planes lent while idle, and given back:
     assert engine.memory.free_planes == engine.memory.usable_planes
