@@ -1,6 +1,6 @@
 """Engine throughput with the synthetic drafter: tokens/s per sequence and aggregate for plain decoding and for
-drafts of d tokens accepted at rate alpha, per rollback mode, concurrency and memory budget. Writes JSON and PNG
-plots.
+drafts of d tokens accepted at rate alpha, per rollback mode, concurrency and memory budget. Writes JSON, PNG
+plots and the README's table (markdown).
 
     gdnspec bench engine --model bench/out/qwen35-0.8b-f32.gguf --out bench/results/engine-cpu.json
     gdnspec bench engine --model ... --budgets-mb 8,64,1024 --concurrency 16 --out ...   # a budget sweep
@@ -13,9 +13,10 @@ starting with another each time (so that a slow spell on a shared machine falls 
 median with the range and the rollback steps each mode took. Every speculative run is checked against the plain
 run's tokens (the lossless invariant) before it is reported. `cells` compares, per (concurrency, budget, alpha, d),
 auto with the best forced mode, by their medians and (`auto_vs_best_paired`) by the median of the ratios of runs
-from the same repeat, which cancels the slow drift of a shared machine. With `--per-sequence` each budget is per
-concurrent sequence (the engine gets it times the concurrency), so one budget means the same planes per sequence
-at every concurrency.
+from the same repeat, which cancels the slow drift of a shared machine. The synthetic drafter corrupts the same
+positions of a sequence in every run (`drafters.synthetic`), so every mode and repeat meets the same acceptances.
+With `--per-sequence` each budget is per concurrent sequence (the engine gets it times the concurrency), so one
+budget means the same planes per sequence at every concurrency.
 """
 
 from __future__ import annotations
@@ -234,10 +235,44 @@ def plot(results: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def markdown_table(results: dict) -> str:
+    """The README's table of a run: one line per (concurrency, budget, alpha, d), aggregate tokens/s per mode
+    (bold: the best forced mode; "(none)": a forced mode that never rolled back in its own mode), auto's rollback
+    steps, and auto over the best forced mode by medians and (in brackets) paired."""
+    runs = results["runs"]
+    per_seq = results.get("per_sequence", False)
+    cells = {(c["concurrency"], c["budget_mb"], c["alpha"], c["d"]): c for c in results["cells"]
+             if c["by"] == "tokens_per_s"}  # fmt: skip
+    lines = ["| seqs | budget" + (" / seq" if per_seq else "") + " | planes | alpha | d | plain | snapshot | "
+             "checkpoint | replay | auto | auto's steps (s / c / r) | auto / best (paired) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    plain = {(r["concurrency"], r["budget_mb"]): r for r in runs if r["mode"] == "plain"}
+    for key, cell in sorted(cells.items()):
+        same = {r["mode"]: r for r in runs if (r["concurrency"], r["budget_mb"], r["alpha"], r["d"]) == key}
+        base = plain[key[:2]]
+        rates = []
+        for mode in ("snapshot", "checkpoint", "replay", "auto"):
+            rate = f"{same[mode]['tokens_per_s']:.1f}" if mode in same else "-"
+            if mode == cell["best_forced"]:
+                rate = f"**{rate}**"
+            elif mode in cell["not_rolled_back"]:
+                rate += " (none)"
+            rates.append(rate)
+        steps = cell["auto_rollback_steps"]
+        budget = base["budget_mb_per_seq"] if per_seq else key[1]
+        paired = cell.get("auto_vs_best_paired")
+        lines.append(f"| {key[0]} | {budget:g} MB | {base['planes']} | {key[2]} | {key[3]} | "
+                     f"{base['tokens_per_s']:.1f} | " + " | ".join(rates) + " | "
+                     f"{steps.get('snapshot', 0)} / {steps.get('checkpoint', 0)} / {steps.get('replay', 0)} | "
+                     f"{cell['auto_vs_best']:.2f}" + (f" ({paired:.2f})" if paired is not None else "") + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True, help="JSON results; the plot goes beside it as .png")
+    parser.add_argument("--out", required=True, help="JSON results; the plot goes beside it as .png, the README's "
+                        "table as .md")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--alpha", default="0.6,0.9")
     parser.add_argument("--d", default="3,8")
@@ -258,6 +293,8 @@ def main(argv=None) -> dict:
     results = run(args)
     save_json(results, args.out)
     plot(results, os.path.splitext(args.out)[0] + ".png")
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(markdown_table(results))
     return results
 
 

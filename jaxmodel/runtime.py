@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -171,19 +170,23 @@ def _compiled(cfg: ModelConfig):
 
 def plane_write_cost(without: Sequence[float], with_writes: Sequence[float], n_planes: int) -> float:
     """Seconds one GDN state written into a plane adds to a step, from runs of the same step without and with
-    n_planes more such writes, run in turn: the median of the paired differences, when the runs with writes were
-    slower often enough that noise alone would do it at most 5 % of the time (a one-sided sign test), else 0. A
-    shared machine's spread is tens of milliseconds in a 0.6 s step, so one pair's difference means little, and
-    writes that cost nothing measurable must not trade snapshot for another mode over noise.
+    n_planes more such writes, run in turn: the median of the paired differences, when a one-sided Wilcoxon
+    signed-rank test says noise alone would make the runs with writes that much slower at most 5 % of the time,
+    else 0. A shared machine's pairs differ by tens of milliseconds either way in a 0.6 s step (and now and then
+    by 0.3 s), so one pair means little, and writes that cost nothing measurable must not trade snapshot for
+    another mode over noise.
 
-    >>> plane_write_cost([1.00, 1.02, 1.05, 1.01], [1.01, 1.03, 1.04, 1.02], 4)  # 3 of 4 slower: within the noise
+    >>> plane_write_cost([1.00, 1.02, 1.05, 1.01], [1.01, 1.03, 1.04, 1.02], 4)  # 4 pairs cannot tell
     0.0
     >>> round(plane_write_cost([1.00, 1.02, 1.05, 1.01, 1.00], [1.42, 1.43, 1.45, 1.41, 1.60], 4), 3)  # 0.41 / 4
     0.102
     """
+    from scipy.stats import wilcoxon
+
     differences = [w - o for o, w in zip(without, with_writes, strict=True)]
-    slower = sum(d > 0 for d in differences)
-    p_noise = sum(math.comb(len(differences), k) for k in range(slower, len(differences) + 1)) / 2 ** len(differences)
+    if not any(differences):
+        return 0.0
+    p_noise = wilcoxon(differences, alternative="greater").pvalue
     return max(statistics.median(differences), 0.0) / n_planes if p_noise <= 0.05 else 0.0
 
 
@@ -407,18 +410,19 @@ class Runtime:
         at small shapes, to be told from a step's noise as a difference of two steps), and the verify steps of every
         compiled length from 1 + n_max up to the 3 n_max + 1 tokens that replayed tokens before `last` can lead to (what
         checkpoint rollback costs). With `spare_planes` (planes no sequence holds, which it overwrites), also the
-        verify step of every batch bucket writing the state after each of its tokens into them (several rows, and
-        tokens beyond their number, share planes), against the same step writing one state per row as replay and
-        checkpoint rows do: its extra time per state is what snapshot rollback's writes cost at that many rows
-        (`plane_write_seconds`; 2 x `repeats` pairs run in turn, weighed by `plane_write_cost` so that noise is not
-        taken for a cost). Otherwise the minimum of `repeats` runs each; call after `warmup` (these shapes compile; the
-        rebuild compiles here). Also keeps the chain, rebuild, step and write costs for `chain_cost`,
+        longest verify step (1 + n_max tokens, n_max the larger of n_chain_max and the replay pool's) of every batch
+        bucket writing the state after each of its tokens into them (several rows, and tokens beyond their number,
+        share planes), against the same step writing one state per row as replay and checkpoint rows do: its extra
+        time per state is what snapshot rollback's writes cost at that many rows (`plane_write_seconds`; 2 x
+        `repeats` pairs run in turn, weighed by `plane_write_cost` so that noise is not taken for a cost). Otherwise
+        the minimum of `repeats` runs each; call after `warmup` (these shapes compile; the rebuild compiles here). Also keeps the chain, rebuild, step and write costs for `chain_cost`,
         `rebuild_cost`, `step_costs` and `plane_write_cost`."""
         calibration = Calibration()
         if self.shapes is None:
             return calibration
         n = max(self.n_chain_max, 1)
         T_verify = self.shapes.tokens(1 + n)
+        T_writes = self.shapes.tokens(1 + max(n, self.replay_tokens))  # the longest verify rows the engine runs
 
         def timed(B: int, T: int, n_chain: int, write_planes: Sequence[int] = ()) -> float:
             n_drafts = min(T - 1, self.shapes.logit_rows(T, False) - 1)  # any tokens before them are replayed ones
@@ -443,11 +447,11 @@ class Runtime:
                 lengths = {self.shapes.tokens(k) for k in range(1 + self.replay_tokens, 3 * self.replay_tokens + 2)}
                 for T in sorted(lengths - {T for b, T in calibration.step_seconds if b == B}):
                     calibration.longer_step_seconds[B, T] = best(B, T, -1)
-            if spare_planes and T_verify > 1:
-                every = [spare_planes[t % len(spare_planes)] for t in range(T_verify)]
-                one = [-1] * (T_verify - 1) + [spare_planes[0]]
-                runs = [(timed(B, T_verify, -1, one), timed(B, T_verify, -1, every)) for _ in range(2 * repeats)]
-                calibration.plane_write_seconds[B] = plane_write_cost(*zip(*runs), B * (T_verify - 1))
+            if spare_planes:
+                every = [spare_planes[t % len(spare_planes)] for t in range(T_writes)]
+                one = [-1] * (T_writes - 1) + [spare_planes[0]]
+                runs = [(timed(B, T_writes, -1, one), timed(B, T_writes, -1, every)) for _ in range(2 * repeats)]
+                calibration.plane_write_seconds[B] = plane_write_cost(*zip(*runs), B * (T_writes - 1))
         self.chain_seconds = dict(calibration.chain_seconds)
         self.rebuild_seconds = dict(calibration.rebuild_seconds)
         self.step_seconds = {**calibration.step_seconds, **calibration.longer_step_seconds}
