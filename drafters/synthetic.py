@@ -50,7 +50,7 @@ class SyntheticDrafter(Drafter):
         self.vocab = vocab
         self.seed = seed
         self.assigned: dict[SeqId, tuple[list[int], np.ndarray]] = {}
-        self._offsets: dict[int, np.ndarray] = {}  # reference index -> its corruption
+        self._offsets: dict[tuple[int, int], np.ndarray] = {}  # (reference index, length) -> its corruption
 
     def _reference(self, r: DraftRequest) -> tuple[list[int], np.ndarray] | None:
         ref = self.assigned.get(r.seq_id)
@@ -59,11 +59,11 @@ class SyntheticDrafter(Drafter):
             index = next((i for i, c in enumerate(self.references) if len(c) >= n and c[:n] == list(r.tokens)), None)
             if index is not None:
                 reference = self.references[index]
-                offsets = self._offsets.get(index)
-                if offsets is None or len(offsets) != len(reference):
+                key = (index, len(reference))
+                if key not in self._offsets:
                     rng = np.random.default_rng([self.seed, index])
-                    offsets = self._offsets[index] = corruption(len(reference), self.alpha, self.vocab, rng)
-                ref = self.assigned[r.seq_id] = (reference, offsets)
+                    self._offsets[key] = corruption(len(reference), self.alpha, self.vocab, rng)
+                ref = self.assigned[r.seq_id] = (reference, self._offsets[key])
         return ref
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[Draft]:

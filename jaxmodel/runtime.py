@@ -181,7 +181,7 @@ def plane_write_cost(without: Sequence[float], with_writes: Sequence[float], n_p
     >>> round(plane_write_cost([1.00, 1.02, 1.05, 1.01, 1.00], [1.42, 1.43, 1.45, 1.41, 1.60], 4), 3)  # 0.41 / 4
     0.102
     """
-    from scipy.stats import wilcoxon
+    from scipy.stats import wilcoxon  # here, not at import: scipy.stats takes a noticeable part of a second to load
 
     differences = [w - o for o, w in zip(without, with_writes, strict=True)]
     if not any(differences):
@@ -415,8 +415,9 @@ class Runtime:
         share planes), against the same step writing one state per row as replay and checkpoint rows do: its extra
         time per state is what snapshot rollback's writes cost at that many rows (`plane_write_seconds`; 2 x
         `repeats` pairs run in turn, weighed by `plane_write_cost` so that noise is not taken for a cost). Otherwise
-        the minimum of `repeats` runs each; call after `warmup` (these shapes compile; the rebuild compiles here). Also keeps the chain, rebuild, step and write costs for `chain_cost`,
-        `rebuild_cost`, `step_costs` and `plane_write_cost`."""
+        the minimum of `repeats` runs each; call after `warmup` (these shapes compile; the rebuild compiles here).
+        Also keeps the chain, rebuild, step and write costs for `chain_cost`, `rebuild_cost`, `step_costs` and
+        `plane_write_cost`."""
         calibration = Calibration()
         if self.shapes is None:
             return calibration

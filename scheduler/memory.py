@@ -18,10 +18,10 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
    19.3 MB, 1.25 ms a state at four rows). Replay and checkpoint need no plane beyond the two a sequence holds.
    Replay costs the rebuild of the rows whose written state turns out wrong: a row writes the state after `last`
    (wrong when a draft is accepted, chance alpha) or, optimistically, after its last draft (wrong when one is
-   rejected, 1 - alpha^d), whichever is likelier right
-   (`replays_optimistically`; only without replayed tokens). The device rebuilds the wrong rows in passes (one row
-   per pass on CPU where a row's state is large, so that a pass costs what its row does; otherwise all of the step's
-   rows in one), each pass timed at calibration (`RollbackCosts.rebuild_seconds`, `expected_rebuild`). Checkpoint
+   rejected, 1 - alpha^d), whichever is likelier right (`replays_optimistically`; only without replayed tokens).
+   The device rebuilds the wrong rows in passes (one row per pass on CPU where a row's state is large, so that a
+   pass costs what its row does; otherwise all of the step's rows in one), each pass timed at calibration
+   (`RollbackCosts.rebuild_seconds`, `expected_rebuild`). Checkpoint
    costs the tokens it replays next step: with per-token acceptance alpha (the policy's estimate), d drafts and p
    replayed tokens before `last`, it replays p + 1 + k tokens when k < d drafts are accepted and nothing when all
    are (`expected_replay = sum_{k<d} alpha^k (1 - alpha) (p + 1 + k)` in expectation). Steps are padded to a few
