@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from .attention import attend
 from .config import ModelConfig
-from .weights import Attention, DenseFfn
+from .kernels.cpu_matmul import ROWS_KERNEL_MAX_ROWS, rows_matmul
+from .weights import Attention, DenseFfn, Transposed
 
 
 def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -52,11 +53,16 @@ def eigen_dot(x: jax.Array, w: jax.Array, precision: jax.lax.Precision) -> jax.A
                                preferred_element_type=jnp.float32)
 
 
-def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | Transposed, bias: jax.Array | None = None) -> jax.Array:
     """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32.
 
-    The formulation is fixed at trace time from M = prod(x.shape[:-1]) and w (`small_row_form`); all compute the
-    same f32 product, only the summation order differs. On CPU, for float32 w:
+    w stored transposed (`Transposed`, [n_out, n_in], what `load_model` does on CPU when the kernel builds): for
+    M = prod(x.shape[:-1]) <= ROWS_KERNEL_MAX_ROWS the few-row kernel (`jaxmodel.kernels.cpu_matmul`), which reads
+    each weight row once for all M rows and sums every row in the same order whatever M; above, XLA's dot on the
+    [n_out, n_in] weight.
+
+    w as an array: the formulation is fixed at trace time from M and w (`small_row_form`); all compute the same f32
+    product, only the summation order differs. On CPU, for float32 w:
       M <= 1 or M > 32: the plain dot;
       M = 2 (M <= 4 when n_out >= 16384, the LM head): M separate one-row products, each at the one-row rate;
       otherwise (M = 3..32): the dot on x^T (`eigen_dot`), which XLA runs with Eigen instead of YNNPACK.
@@ -73,6 +79,15 @@ def linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Arr
     precision = matmul_precision(w)
     lead, n_in, n_out = x.shape[:-1], w.shape[0], w.shape[1]
     m = math.prod(lead)
+    if isinstance(w, Transposed):
+        rows = x.reshape(m, n_in)
+        if m <= ROWS_KERNEL_MAX_ROWS:
+            y = rows_matmul(rows, w.t)
+        else:
+            y = jax.lax.dot_general(rows, w.t, (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32)
+        y = y.reshape(*lead, n_out)
+        return y if bias is None else y + bias
     form = small_row_form(m, w)
     if form == "dot":
         y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32, precision=precision)

@@ -20,11 +20,12 @@ from .gguf_io import read_gguf, to_device
 from .host_memory import THREAD_HEAP_BYTES, release_freed_memory, retain_freed_memory
 from .layers import linear, paged_attention, rms_norm
 from .moe import ffn
-from .precision import cast_matmul_weights, default_weight_dtype
+from .kernels import cpu_matmul
+from .precision import cast_matmul_weights, default_weight_dtype, transpose_matmul_weights
 from .state import (
     ModelState, Row, StepBatch, StepOutput, bucket, bytes_per_plane, init_state, pack_batch, scatter_planes,
 )  # fmt: skip
-from .weights import Layer, Mtp, Weights, pytree
+from .weights import Layer, Mtp, Weights, first_columns, pytree
 
 
 @pytree
@@ -136,7 +137,7 @@ def mtp_forward(
     )
     u = _residual_ffn(mtp.layer, cfg, u + y)
     hidden = rms_norm(u, mtp.head_norm, cfg.norm_eps)
-    head = mtp.head if vocab is None else mtp.head[:, :vocab]
+    head = first_columns(mtp.head, vocab)
     out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, head), hidden=hidden)
     new_state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + (k_mtp,),
                                     v_pages=state.v_pages[:-1] + (v_mtp,))
@@ -214,6 +215,8 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     # only the main arena keeps them for the next step (jaxmodel.host_memory).
     retain_freed_memory(single_arena=4 * bytes_per_plane(cfg) > THREAD_HEAP_BYTES)
     weights = cast_matmul_weights(weights, weight_dtype or default_weight_dtype())
+    if cpu_matmul.available():
+        weights = transpose_matmul_weights(weights)
     model = Model(cfg, weights, path=str(path))
     del weights
     release_freed_memory()

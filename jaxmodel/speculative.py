@@ -27,7 +27,7 @@ from .layers import linear
 from .model import Record, forward, mtp_forward, rebuild
 from .sampling import SamplingParams, verify
 from .state import ModelState, StepBatch, read_planes
-from .weights import Weights, pytree
+from .weights import Weights, first_columns, pytree
 
 
 @pytree
@@ -136,7 +136,7 @@ def _chain(weights, cfg, page_table, own_hidden, bonus_position, chaining, chain
     """The greedy chain from the MTP's hidden at each bonus token [B, E]: draft 1 from it, then one MTP step per
     draft. Returns drafts [B, n_max], n_drafted [B] and the state."""
     B = own_hidden.shape[0]
-    head = weights.mtp.head if vocab is None else weights.mtp.head[:, :vocab]
+    head = first_columns(weights.mtp.head, vocab)
     first, prob = greedy_pick(linear(own_hidden, head))
     going = chaining & (prob >= chain.p_min)
     drafts = jnp.zeros((B, n_max), jnp.int32).at[:, 0].set(first)

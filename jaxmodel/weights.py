@@ -14,6 +14,34 @@ def pytree(cls):
 
 
 @pytree
+class Transposed:
+    """A matmul weight [n_in, n_out] stored as its transpose [n_out, n_in] (GGUF's order), for the CPU few-row
+    product (`jaxmodel.kernels.cpu_matmul`); `load_model` stores them so on CPU, and `layers.linear` takes either.
+    shape and dtype are the weight's, as the [n_in, n_out] array would have them."""
+
+    t: jax.Array  # [n_out, n_in]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.t.shape[1], self.t.shape[0])
+
+    @property
+    def dtype(self):
+        return self.t.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+def first_columns(w: "jax.Array | Transposed", n: int | None) -> "jax.Array | Transposed":
+    """w [n_in, n_out] restricted to its first n outputs ([n_in, n]); all of them when n is None."""
+    if n is None:
+        return w
+    return Transposed(w.t[:n]) if isinstance(w, Transposed) else w[:, :n]
+
+
+@pytree
 class DenseFfn:
     gate: jax.Array  # [E, F]
     up: jax.Array  # [E, F]
