@@ -1,5 +1,6 @@
 """The weights pytree. Matmul weights are [n_in, n_out], y = x @ W: the transpose of GGUF's numpy order (docs/model.md §0),
-which the loader and writer swap, because XLA's CPU matrix-vector product streams this layout about twice as fast."""
+which the loader and writer swap, because XLA's CPU matrix-vector product streams this layout about twice as fast.
+On CPU `load_model` stores the large ones back in GGUF's order as `Transposed`, for the few-row kernel."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_linear_takes_transposed_weights(M):
 
 
 def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
-    monkeypatch.setenv("GDNSPEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("GDNSPEC_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises((cpu_matmul.KernelUnavailable, OSError)):
         cpu_matmul.build()

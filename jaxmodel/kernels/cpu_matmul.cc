@@ -61,7 +61,10 @@ void row_block(const float* x, const float* w, float* out, int64_t K, int64_t N,
       for (int r = 0; r < NR; ++r) acc[m][r] = v8{};
     for (int64_t k = 0; k < K8; k += 8) {
       v8 b[NR];
-      for (int r = 0; r < NR; ++r) b[r] = *(const v8*)(wn + r * K + k);
+      for (int r = 0; r < NR; ++r) {
+        b[r] = *(const v8*)(wn + r * K + k);
+        __asm__("" : "+x"(b[r]));  // keep each weight vector in a register: loaded once, not once per row of x
+      }
       for (int m = 0; m < MR; ++m) {
         const v8 xv = *(const v8*)(x + m * K + k);
         for (int r = 0; r < NR; ++r) acc[m][r] = multiply_add(acc[m][r], xv, b[r]);

@@ -1,13 +1,15 @@
 """Few-row matrix products on CPU: an XLA FFI custom call (cpu_matmul.cc) over weights stored [N, K].
 
-`rows_matmul(x [M, K], w [N, K]) -> [M, N]` streams each weight row once for all M rows, so a 4-token verify step's
-products cost about 1.3x a one-token step's instead of 2-2.5x with XLA's dot (README, "Model step"); `linear` uses
-it for M <= ROWS_KERNEL_MAX_ROWS when `load_model` stored the weights transposed (`weights.Transposed`).
+`rows_matmul(x [M, K], w [N, K]) -> [M, N]` streams each weight row once for all M rows, so a 4-token verify
+step's products cost about 1.3x a one-token step's instead of 2-2.5x with XLA's dot (README, "Model step");
+`linear` uses it for M <= ROWS_KERNEL_MAX_ROWS when `load_model` stored a weight transposed (`weights.Transposed`,
+`precision.takes_rows_kernel`).
 
 The library is compiled from the source beside this file with the system's C++ compiler ($CXX, else g++) for the
-machine it runs on (-march=native), on first use or by `build()` (the Makefile's install step), into $GDNSPEC_CACHE_DIR (default ~/.cache/gdnspec), named by a digest of the source, the flags,
-jaxlib's version and the CPU's features. Without a compiler, or with GDNSPEC_CPU_KERNEL=0, `available()` is False
-and the model keeps XLA's products.
+machine it runs on (-march=native), on first use or by `build()` (the Makefile's install step), into
+$GDNSPEC_KERNEL_DIR (default ~/.cache/gdnspec/kernels), named by a digest of the source, the flags, jaxlib's
+version and the CPU's features. Without a compiler, or with GDNSPEC_CPU_KERNEL=0, `available()` is False and the
+model keeps XLA's products.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def library_path() -> Path:
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_features().encode(),
                  platform.machine().encode()):
         digest.update(part)
-    cache = Path(os.environ.get("GDNSPEC_CACHE_DIR") or Path.home() / ".cache" / "gdnspec")
+    cache = Path(os.environ.get("GDNSPEC_KERNEL_DIR") or Path.home() / ".cache" / "gdnspec" / "kernels")
     return cache / f"cpu_matmul-{digest.hexdigest()[:16]}.so"
 
 
