@@ -557,9 +557,9 @@ async def run_loadtest(
             async with Client(url, id_prefix=f"w{w}-", **(connect_options or {})) as client:
                 while i is not None:
                     record = await run_one(client, w, i, rng)
-                    i = take()
                     if record.error == "connection_lost":
-                        return
+                        return  # before taking another request, which no worker would then run
+                    i = take()
                     if record.error == "disconnected":
                         break
 
