@@ -15,32 +15,18 @@ import statistics
 
 import jax
 
-import jaxmodel.model as model_module
 from bench import save_json
 from bench.step import time_steps
 from jaxmodel import load_model
 from jaxmodel.kernels import cpu_matmul
 
 
-class _KernelOff:
-    """Stands in for the kernel module while the XLA copy loads."""
-
-    @staticmethod
-    def available() -> bool:
-        return False
-
-
 def load_both(path: str):
     """The model with the kernel's weight layout and without (the kernel must be available)."""
     if not cpu_matmul.available():
         raise SystemExit("the CPU kernel is not available here (CPU backend and a C++ compiler needed)")
-    kernel = load_model(path, load_mtp=False)
-    model_module.cpu_matmul = _KernelOff
-    try:
-        xla = load_model(path, load_mtp=False)
-    finally:
-        model_module.cpu_matmul = cpu_matmul
-    return {"xla": xla, "kernel": kernel}
+    return {"xla": load_model(path, load_mtp=False, cpu_kernel=False),
+            "kernel": load_model(path, load_mtp=False)}
 
 
 def main(argv=None) -> dict:

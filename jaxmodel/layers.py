@@ -79,17 +79,13 @@ def linear(x: jax.Array, w: jax.Array | Transposed, bias: jax.Array | None = Non
     precision = matmul_precision(w)
     lead, n_in, n_out = x.shape[:-1], w.shape[0], w.shape[1]
     m = math.prod(lead)
-    if isinstance(w, Transposed):
+    form = "transposed" if isinstance(w, Transposed) else small_row_form(m, w)
+    if form == "transposed":
         rows = x.reshape(m, n_in)
-        if m <= ROWS_KERNEL_MAX_ROWS:
-            y = rows_matmul(rows, w.t)
-        else:
-            y = jax.lax.dot_general(rows, w.t, (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32)
+        y = rows_matmul(rows, w.t) if m <= ROWS_KERNEL_MAX_ROWS else jax.lax.dot_general(
+            rows, w.t, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
         y = y.reshape(*lead, n_out)
-        return y if bias is None else y + bias
-    form = small_row_form(m, w)
-    if form == "dot":
+    elif form == "dot":
         y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32, precision=precision)
     elif form == "rows":
         rows = x.reshape(m, n_in)

@@ -202,20 +202,22 @@ class Model:
 
 
 def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False,
-               weight_dtype: str | None = None) -> Model:
+               weight_dtype: str | None = None, cpu_kernel: bool = True) -> Model:
     """Load a qwen35 / qwen35moe / qwen3next GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, dequantised to
     float32).
 
     keep_f16: keep F16 tensors in f16; their matmuls then round activations to f16 as llama.cpp does on CPU
     (exact F16 parity; slower on CPU, see docs/design.md). weight_dtype: "float32" or "bfloat16" for the matmul
     weights (`jaxmodel.precision`); None: the default backend's choice (bfloat16 on GPU, float32 on CPU).
+    cpu_kernel: on CPU, store the large float32 matmul weights for the few-row kernel where it is available
+    (`precision.transpose_matmul_weights`); False keeps XLA's products everywhere (benchmarks compare both).
     """
     cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16)
     # A verify step's temporaries hold about one GDN plane per fed token; where 4 tokens' outgrow a thread's heap,
     # only the main arena keeps them for the next step (jaxmodel.host_memory).
     retain_freed_memory(single_arena=4 * bytes_per_plane(cfg) > THREAD_HEAP_BYTES)
     weights = cast_matmul_weights(weights, weight_dtype or default_weight_dtype())
-    if cpu_matmul.available():
+    if cpu_kernel and cpu_matmul.available():
         weights = transpose_matmul_weights(weights)
     model = Model(cfg, weights, path=str(path))
     del weights

@@ -26,8 +26,9 @@ KEPT_FLOAT32 = frozenset({"conv", "router"})
 NOT_TRANSPOSED = KEPT_FLOAT32 | {"embed"}
 # Weights the few-row kernel takes: at least this many inputs and bytes. Shorter rows leave it summing lanes more
 # than streaming, and small weights stay in cache, where XLA's own one-row product is faster: in the bundled model
-# (n_in 192, at most 3 MB) the kernel made one stream 0.75x and 16 streams 0.84x; at the 0.8B shape (n_in 1024+,
-# 2-134 MB) it made a one-token step 1.17x and a 4-token one 1.9x faster (README, "Model step").
+# (n_in 192, at most 3 MB) the kernel's first version made one stream 0.75x and 16 streams 0.84x; at the 0.8B
+# shape (n_in 1024+, 2-134 MB) the final one made a one-token step 1.17x and a 4-token one 1.41x faster
+# (`bench/cpu_kernel.py`; README, "Model step").
 TRANSPOSE_MIN_INPUTS = 512
 TRANSPOSE_MIN_BYTES = 1 << 20
 
@@ -49,17 +50,29 @@ def cast_matmul_weights(weights: Weights, dtype: str) -> Weights:
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
     target = jnp.dtype(dtype)
+
+    def chosen(name, x) -> bool:
+        return np.ndim(x) >= 2 and name not in KEPT_FLOAT32 and x.dtype == np.float32  # F16 kept for F16 parity
+
+    def cast(x):
+        return np.asarray(x, dtype=target) if isinstance(x, np.ndarray) else x.astype(target)
+
+    return _convert_tied_once(weights, chosen, cast)
+
+
+def _convert_tied_once(weights: Weights, chosen, convert) -> Weights:
+    """`weights` with convert(x) in place of every leaf x for which chosen(field name, x) holds; an array shared by
+    several fields (tied weights) is converted once and stays shared."""
     converted: dict[int, object] = {}
 
-    def cast(path, x):
-        name = getattr(path[-1], "name", None)
-        if np.ndim(x) < 2 or name in KEPT_FLOAT32 or x.dtype != np.float32:
-            return x  # F16 weights kept for exact F16 parity stay F16
+    def visit(path, x):
+        if not chosen(getattr(path[-1], "name", None), x):
+            return x
         if id(x) not in converted:
-            converted[id(x)] = np.asarray(x, dtype=target) if isinstance(x, np.ndarray) else x.astype(target)
+            converted[id(x)] = convert(x)
         return converted[id(x)]
 
-    return jax.tree_util.tree_map_with_path(cast, weights)
+    return jax.tree_util.tree_map_with_path(visit, weights)
 
 
 def takes_rows_kernel(name: str | None, x) -> bool:
@@ -73,19 +86,13 @@ def transpose_matmul_weights(weights: Weights) -> Weights:
     TRANSPOSE_MIN_BYTES stored as `Transposed` ([n_out, n_in]), the layout of the CPU few-row kernel
     (`jaxmodel.kernels.cpu_matmul`); embeddings, conv taps, routers, MoE expert stacks (3-D), f16/bf16 weights and
     smaller weights stay as they are. Tied arrays stay tied, and an output head that is the embedding's
-    transpose becomes a view of the embedding itself. The old and new arrays coexist until the caller drops the
+    transpose shares the embedding's array. The old and new arrays coexist until the caller drops the
     old tree (load time only)."""
     embed = weights.embed
-    converted: dict[int, object] = {}
 
-    def transpose(path, x):
-        if not takes_rows_kernel(getattr(path[-1], "name", None), x):
-            return x
-        if id(x) not in converted:
-            if x.shape == embed.shape[::-1] and np.array_equal(x.T, embed):
-                converted[id(x)] = Transposed(embed)
-            else:
-                converted[id(x)] = Transposed(np.ascontiguousarray(np.asarray(x).T))
-        return converted[id(x)]
+    def transpose(x):
+        if x.shape == embed.shape[::-1] and np.array_equal(x.T, embed):
+            return Transposed(embed)
+        return Transposed(np.ascontiguousarray(np.asarray(x).T))
 
-    return jax.tree_util.tree_map_with_path(transpose, weights)
+    return _convert_tied_once(weights, takes_rows_kernel, transpose)

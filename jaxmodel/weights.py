@@ -30,10 +30,6 @@ class Transposed:
     def dtype(self):
         return self.t.dtype
 
-    @property
-    def ndim(self) -> int:
-        return 2
-
 
 def first_columns(w: "jax.Array | Transposed", n: int | None) -> "jax.Array | Transposed":
     """w [n_in, n_out] restricted to its first n outputs ([n_in, n]); all of them when n is None."""

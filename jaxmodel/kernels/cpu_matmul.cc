@@ -3,7 +3,7 @@
 // The weight is read in GGUF's order, [N, K] (each output's weights contiguous, llama.cpp's loop order): every
 // weight row is loaded once and multiplied into all M rows of x (held in L1), so a product of a few rows costs
 // about what one row costs, where XLA's CPU dot packs the whole weight for each product and a 4-row one costs
-// 2-2.5x a one-row one (README, "Model step"). Output rows are split in chunks over XLA's intra-op thread pool.
+// 2-2.5x a one-row one (README, "Model step"). Output columns are split in chunks over XLA's intra-op thread pool.
 //
 // Every output element is summed in the same order whatever M and the chunking: eight strided partial sums over k
 // (one per vector lane), added lane by lane, then the tail k >= K & ~7. So row m of a product does not depend on
@@ -28,8 +28,8 @@ namespace {
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));  // unaligned loads of 8 floats
 
-constexpr int kRowBlock = 4;  // rows of x per pass over the weights
-constexpr int64_t kChunk = 64;     // output columns per task
+constexpr int kRowBlock = 4;                    // rows of x per pass over the weights
+constexpr int64_t kChunk = 64;                  // output columns per task
 constexpr int64_t kMinParallelBytes = 1 << 20;  // smaller weights stay on the calling thread
 
 // acc + x * w, fused where the CPU has FMA. Spelled out (the library builds with -ffp-contract=off) so that the
