@@ -14,17 +14,18 @@ from gguf import quants
 from .config import ModelConfig, ModelFormatError, from_gguf
 from .gguf_layout import open_gguf
 from .tokenizer import CONTROL, NORMAL, UNUSED, GGUFVocab, byte_decoder, write_vocab
-from .weights import Attention, DenseFfn, GatedDeltaNet, Layer, MoeFfn, Mtp, Weights
+from .weights import Attention, DenseFfn, GatedDeltaNet, Layer, MoeFfn, Mtp, Q8Rows, Weights
 
 SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 
 
 class _Tensors:
-    """Name -> float32 numpy array, with type and shape checks that name the file and tensor."""
+    """Name -> float32 numpy array (or `Q8Rows`), with type and shape checks that name the file and tensor."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: str, keep_f16: bool):
+    def __init__(self, reader: gguf.GGUFReader, path: str, keep_f16: bool, keep_q8_0: bool = False):
         self.path = path
         self.keep_f16 = keep_f16
+        self.keep_q8_0 = keep_q8_0
         self.by_name = {t.name: t for t in reader.tensors}
 
     def has(self, name: str) -> bool:
@@ -53,16 +54,39 @@ class _Tensors:
     def maybe(self, name: str, *shapes: tuple[int, ...]) -> np.ndarray | None:
         return self.get(name, *shapes) if self.has(name) else None
 
-    def matmul(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A matmul weight stored [..., n_out, n_in], returned in the pytree's [..., n_in, n_out] layout."""
+    def matmul(self, name: str, shape: tuple[int, ...], quantized: bool = True) -> np.ndarray | Q8Rows:
+        """A matmul weight stored [..., n_out, n_in], returned in the pytree's [..., n_in, n_out] layout; with
+        keep_q8_0, a 2-D Q8_0 one as the file's blocks (`Q8Rows`) unless quantized is False."""
+        t = self.by_name.get(name)
+        if self.keep_q8_0 and quantized and len(shape) == 2 and t is not None and t.tensor_type == QT.Q8_0:
+            return self._q8_rows(name, t, shape)
         return np.ascontiguousarray(np.swapaxes(self.get(name, shape), -1, -2))
+
+    def _q8_rows(self, name: str, t, shape: tuple[int, int]) -> Q8Rows:
+        block_size, block_bytes = gguf.GGML_QUANT_SIZES[QT.Q8_0]
+        data = np.asarray(t.data)
+        n_out, n_in = data.shape[0], data.shape[-1] // block_bytes * block_size
+        if data.ndim != 2 or (n_out, n_in) != tuple(shape):
+            raise ModelFormatError(f"{self.path}: tensor '{name}' has shape {(n_out, n_in)}, expected {tuple(shape)}")
+        blocks = data.reshape(n_out, n_in // block_size, block_bytes)
+        scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [n_out, n_in / 32]
+        quants = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n_out, n_in)
+        return Q8Rows(quants=quants, scales=scales)
+
+
+def _split_outputs(w: np.ndarray | Q8Rows, sections: list[int]) -> list[np.ndarray | Q8Rows]:
+    """w [n_in, n_out] split at the given output indices."""
+    if isinstance(w, Q8Rows):
+        bounds = [0, *sections, w.shape[1]]
+        return [w.outputs(slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return np.split(w, sections, axis=1)
 
 
 def _attention(ts: _Tensors, p: str, cfg: ModelConfig) -> Attention:
     E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
     if ts.has(p + "attn_qkv.weight"):
         fused = ts.matmul(p + "attn_qkv.weight", (2 * H * D + 2 * Hkv * D, E))
-        q, k, v = np.split(fused, [2 * H * D, 2 * H * D + Hkv * D], axis=1)
+        q, k, v = _split_outputs(fused, [2 * H * D, 2 * H * D + Hkv * D])
         bias = ts.maybe(p + "attn_qkv.bias", (2 * H * D + 2 * Hkv * D,))
         q_bias, k_bias, v_bias = np.split(bias, [2 * H * D, 2 * H * D + Hkv * D]) if bias is not None else (None,) * 3
     else:
@@ -156,7 +180,7 @@ def _ffn(ts: _Tensors, p: str, cfg: ModelConfig) -> DenseFfn | MoeFfn:
         gate = ts.matmul(p + "ffn_gate_exps.weight", (X, Fe, E))
         up = ts.matmul(p + "ffn_up_exps.weight", (X, Fe, E))
     return MoeFfn(
-        router=ts.matmul(p + "ffn_gate_inp.weight", (X, E)),
+        router=ts.matmul(p + "ffn_gate_inp.weight", (X, E), quantized=False),  # top-k: kept float32
         gate=gate,
         up=up,
         down=ts.matmul(p + "ffn_down_exps.weight", (X, E, Fe)),
@@ -179,18 +203,18 @@ def _layer(ts: _Tensors, index: int, cfg: ModelConfig, recurrent: bool) -> Layer
 
 
 def read_gguf(
-    path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False
+    path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False, keep_q8_0: bool = False
 ) -> tuple[ModelConfig, Weights, gguf.GGUFReader]:
-    """Read config and numpy weights (float32, or f16 for F16 tensors with keep_f16); every defect raises
-    ModelFormatError naming the file and the tensor."""
+    """Read config and numpy weights (float32, or f16 for F16 tensors with keep_f16, or `Q8Rows` for 2-D Q8_0
+    matmul weights with keep_q8_0); every defect raises ModelFormatError naming the file and the tensor."""
     path = str(path)
     reader = open_gguf(path)
     cfg = from_gguf(reader, path)
-    ts = _Tensors(reader, path, keep_f16)
+    ts = _Tensors(reader, path, keep_f16, keep_q8_0)
     V, E = cfg.n_vocab, cfg.n_embd
     embed = ts.get("token_embd.weight", (V, E))
     output_norm = ts.get("output_norm.weight", (E,))
-    output = ts.matmul("output.weight", (V, E)) if ts.has("output.weight") else np.ascontiguousarray(embed.T)
+    output = ts.matmul("output.weight" if ts.has("output.weight") else "token_embd.weight", (V, E))
     layers = tuple(_layer(ts, i, cfg, cfg.recurrent[i]) for i in range(cfg.n_layer))
     mtp = None
     if cfg.n_mtp and load_mtp:

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 
 from .attention import attend
 from .config import ModelConfig
-from .kernels.cpu_matmul import ROWS_KERNEL_MAX_ROWS, rows_matmul
-from .weights import Attention, DenseFfn, Transposed
+from .kernels.cpu_matmul import ROWS_KERNEL_MAX_ROWS, q8_rows_matmul, rows_matmul
+from .weights import Attention, DenseFfn, MatmulWeight, Q8Rows, Transposed
 
 
 def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -53,8 +53,12 @@ def eigen_dot(x: jax.Array, w: jax.Array, precision: jax.lax.Precision) -> jax.A
                                preferred_element_type=jnp.float32)
 
 
-def linear(x: jax.Array, w: jax.Array | Transposed, bias: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: MatmulWeight, bias: jax.Array | None = None) -> jax.Array:
     """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32.
+
+    w kept as Q8_0 blocks (`Q8Rows`, what `load_model` does on CPU for a Q8_0 file when the kernels build): the
+    Q8_0 product for every M (`cpu_matmul.q8_rows_matmul`), llama.cpp's CPU arithmetic, x's rows quantized to Q8_0;
+    row m of the result does not depend on the other rows.
 
     w stored transposed (`Transposed`, [n_out, n_in], what `load_model` does on CPU when the kernel builds): for
     M = prod(x.shape[:-1]) <= ROWS_KERNEL_MAX_ROWS the few-row kernel (`jaxmodel.kernels.cpu_matmul`), which reads
@@ -79,8 +83,13 @@ def linear(x: jax.Array, w: jax.Array | Transposed, bias: jax.Array | None = Non
     precision = matmul_precision(w)
     lead, n_in, n_out = x.shape[:-1], w.shape[0], w.shape[1]
     m = math.prod(lead)
-    form = "transposed" if isinstance(w, Transposed) else small_row_form(m, w)
-    if form == "transposed":
+    if isinstance(w, Q8Rows):
+        form = "q8_0"
+    else:
+        form = "transposed" if isinstance(w, Transposed) else small_row_form(m, w)
+    if form == "q8_0":
+        y = q8_rows_matmul(x.reshape(m, n_in), w.quants, w.scales).reshape(*lead, n_out)
+    elif form == "transposed":
         rows = x.reshape(m, n_in)
         y = rows_matmul(rows, w.t) if m <= ROWS_KERNEL_MAX_ROWS else jax.lax.dot_general(
             rows, w.t, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)

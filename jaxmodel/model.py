@@ -209,15 +209,20 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     keep_f16: keep F16 tensors in f16; their matmuls then round activations to f16 as llama.cpp does on CPU
     (exact F16 parity; slower on CPU, see docs/design.md). weight_dtype: "float32" or "bfloat16" for the matmul
     weights (`jaxmodel.precision`); None: the default backend's choice (bfloat16 on GPU, float32 on CPU).
-    cpu_kernel: on CPU, store the large float32 matmul weights for the few-row kernel where it is available
-    (`precision.transpose_matmul_weights`); False keeps XLA's products everywhere (benchmarks compare both).
+    cpu_kernel: on CPU, where the kernels build (`jaxmodel.kernels.cpu_matmul`), keep Q8_0 matmul weights as the
+    file's blocks for the Q8_0 product (`weights.Q8Rows`; with float32 weights) and store the large float32 ones
+    for the few-row kernel (`precision.transpose_matmul_weights`); False dequantizes everything to float32 and
+    keeps XLA's products (benchmarks compare both).
     """
-    cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16)
+    weight_dtype = weight_dtype or default_weight_dtype()
+    use_kernels = cpu_kernel and cpu_matmul.available()
+    cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16,
+                                keep_q8_0=use_kernels and weight_dtype == "float32")
     # A verify step's temporaries hold about one GDN plane per fed token; where 4 tokens' outgrow a thread's heap,
     # only the main arena keeps them for the next step (jaxmodel.host_memory).
     retain_freed_memory(single_arena=4 * bytes_per_plane(cfg) > THREAD_HEAP_BYTES)
-    weights = cast_matmul_weights(weights, weight_dtype or default_weight_dtype())
-    if cpu_kernel and cpu_matmul.available():
+    weights = cast_matmul_weights(weights, weight_dtype)
+    if use_kernels:
         weights = transpose_matmul_weights(weights)
     model = Model(cfg, weights, path=str(path))
     del weights

@@ -19,8 +19,9 @@ from .weights import Transposed, Weights
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
 # 2-D (or larger) arrays that are not matmul weights, or whose rounding would change a discrete choice:
-# the depthwise conv taps (applied elementwise to the conv window) and MoE routers (top-k selection).
-KEPT_FLOAT32 = frozenset({"conv", "router"})
+# the depthwise conv taps (applied elementwise to the conv window), MoE routers (top-k selection) and the block
+# scales of Q8_0 weights (`weights.Q8Rows`).
+KEPT_FLOAT32 = frozenset({"conv", "router", "scales"})
 # 2-D arrays that `transpose_matmul_weights` leaves as they are: embedding tables (row lookups, not products) and
 # the same non-matmul or discrete-choice arrays as above.
 NOT_TRANSPOSED = KEPT_FLOAT32 | {"embed"}

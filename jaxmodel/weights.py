@@ -1,12 +1,15 @@
 """The weights pytree. Matmul weights are [n_in, n_out], y = x @ W: the transpose of GGUF's numpy order (docs/model.md §0),
 which the loader and writer swap, because XLA's CPU matrix-vector product streams this layout about twice as fast.
-On CPU `load_model` stores the large ones back in GGUF's order as `Transposed`, for the few-row kernel."""
+On CPU `load_model` keeps Q8_0 ones as the file's blocks (`Q8Rows`) and stores large float32 ones back in GGUF's
+order (`Transposed`), for the CPU kernels (`jaxmodel.kernels.cpu_matmul`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import jax
+import numpy as np
 
 
 def pytree(cls):
@@ -31,10 +34,38 @@ class Transposed:
         return self.t.dtype
 
 
-def first_columns(w: "jax.Array | Transposed", n: int | None) -> "jax.Array | Transposed":
+@pytree
+class Q8Rows:
+    """A matmul weight [n_in, n_out] kept as the file's Q8_0 blocks, one row per output (GGUF's order): int8 quants
+    and one float32 scale (the file's f16) per 32 inputs, for the CPU Q8_0 product
+    (`jaxmodel.kernels.cpu_matmul.q8_rows_matmul`); `load_model` keeps Q8_0 matmul weights so on CPU, and
+    `layers.linear` takes it. shape and dtype are those of the dequantized [n_in, n_out] float32 weight."""
+
+    quants: jax.Array  # [n_out, n_in] int8
+    scales: jax.Array  # [n_out, n_in / 32] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.quants.shape[1], self.quants.shape[0])
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    def outputs(self, index) -> "Q8Rows":
+        """The weight restricted to the outputs `index` selects (a slice or an index array)."""
+        return Q8Rows(self.quants[index], self.scales[index])
+
+
+MatmulWeight = Union[jax.Array, Transposed, Q8Rows]
+
+
+def first_columns(w: MatmulWeight, n: int | None) -> MatmulWeight:
     """w [n_in, n_out] restricted to its first n outputs ([n_in, n]); all of them when n is None."""
     if n is None:
         return w
+    if isinstance(w, Q8Rows):
+        return w.outputs(slice(None, n))
     return Transposed(w.t[:n]) if isinstance(w, Transposed) else w[:, :n]
 
 

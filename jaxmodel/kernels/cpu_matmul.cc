@@ -1,4 +1,6 @@
-// Few-row matrix product on CPU, an XLA FFI custom call: out[M, N] = x[M, K] @ w[N, K]^T.
+// Matrix products on CPU, XLA FFI custom calls over weights in GGUF's [N, K] order:
+//   gdnspec_rows_matmul     out[M, N] = x[M, K] @ w[N, K]^T, float32 weights, M <= 16 (below);
+//   gdnspec_q8_rows_matmul  the same with Q8_0 weights, as llama.cpp computes it (further below, "Q8_0").
 //
 // The weight is read in GGUF's order, [N, K] (each output's weights contiguous, llama.cpp's loop order): every
 // weight row is loaded once and multiplied into all M rows of x (held in L1), so a product of a few rows costs
@@ -9,14 +11,17 @@
 // (one per vector lane), added lane by lane, then the tail k >= K & ~7. So row m of a product does not depend on
 // the other rows, and a verify step's logits equal a one-token step's bit for bit.
 //
-// Reference: `rows_matmul_reference` in cpu_matmul.py (x @ w.T); tests: tests/test_cpu_matmul.py.
+// References: `rows_matmul_reference` and `q8_rows_matmul_reference` in cpu_matmul.py; tests:
+// tests/test_cpu_matmul.py and tests/test_cpu_q8_matmul.py.
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <sched.h>
-#ifdef __FMA__
+#include <vector>
+#if defined(__FMA__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -103,6 +108,30 @@ struct Progress {
   std::atomic<int64_t> done{0};
 };
 
+// columns(n0, n1) over [0, N) in chunks of kChunk, on the pool's threads when size (bytes or products) is large
+// enough to pay for the hand-off.
+template <typename Columns>
+void over_columns(ffi::ThreadPool& pool, int64_t N, int64_t size, int64_t min_parallel_size,
+                  const Columns& columns) {
+  const int64_t n_chunks = (N + kChunk - 1) / kChunk;
+  const int64_t threads = pool.num_threads();
+  if (threads <= 1 || n_chunks < 2 || size < min_parallel_size) {
+    columns(0, N);
+    return;
+  }
+  auto progress = std::make_shared<Progress>();
+  auto work = [=]() {
+    int64_t finished = 0;
+    for (int64_t c; (c = progress->next.fetch_add(1)) < n_chunks; ++finished)
+      columns(c * kChunk, std::min(N, (c + 1) * kChunk));
+    progress->done.fetch_add(finished);
+  };
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule(decltype(work)(work));
+  work();
+  for (int spins = 0; progress->done.load() < n_chunks; ++spins)
+    if (spins > 64) sched_yield();
+}
+
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                       ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -112,23 +141,139 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* op = out->typed_data();
-  const int64_t n_chunks = (N + kChunk - 1) / kChunk;
-  const int64_t threads = pool.num_threads();
-  if (threads <= 1 || n_chunks < 2 || N * K * int64_t(sizeof(float)) < kMinParallelBytes) {
-    columns(xp, wp, op, M, K, N, 0, N);
-    return ffi::Error::Success();
+  over_columns(pool, N, N * K * int64_t(sizeof(float)), kMinParallelBytes,
+               [=](int64_t n0, int64_t n1) { columns(xp, wp, op, M, K, N, n0, n1); });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------- Q8_0
+//
+// out[M, N] = x[M, K] @ dequant(wq[N, K], wd[N, K/32])^T the way llama.cpp's CPU backend computes a Q8_0 matmul:
+// each row of x is quantized to Q8_0 (quantize_row_q8_0), and each output is ggml_vec_dot_q8_0_q8_0 on AVX2:
+// per block of 32, eight lanes of exact 4-product integer sums, scaled by d_w * d_x and accumulated with FMA
+// across blocks, the lanes then summed as hsum_float_8 does. The weight is read as int8 (a quarter of float32's
+// bytes) and the products are 8-bit. A row's result depends on that row of x only, for every M.
+
+constexpr int64_t kQ8Block = 32;
+constexpr int64_t kQ8MinParallelWork = 1 << 19;  // products (M * N * K) below which one thread does it all
+
+inline float round_to_f16(float v) {
+#ifdef __F16C__
+  return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  return (float)(_Float16)v;
+#endif
+}
+
+// llama.cpp's quantize_row_q8_0 (its AVX2 path): d = amax / 127 stored as f16, q = x * (127 / amax) rounded to
+// nearest, ties to even.
+void quantize_rows_q8_0(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
+  for (int64_t b = 0; b < M * (K / kQ8Block); ++b) {
+    const float* xb = x + b * kQ8Block;
+    float amax = 0.f;
+    for (int i = 0; i < kQ8Block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    d[b] = round_to_f16(amax / 127.f);
+    const float inverse = amax != 0.f ? 127.f / amax : 0.f;
+    for (int i = 0; i < kQ8Block; ++i) q[b * kQ8Block + i] = (int8_t)std::nearbyint(xb[i] * inverse);
   }
-  auto progress = std::make_shared<Progress>();
-  auto work = [=]() {
-    int64_t finished = 0;
-    for (int64_t c; (c = progress->next.fetch_add(1)) < n_chunks; ++finished)
-      columns(xp, wp, op, M, K, N, c * kChunk, std::min(N, (c + 1) * kChunk));
-    progress->done.fetch_add(finished);
-  };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  for (int spins = 0; progress->done.load() < n_chunks; ++spins)
-    if (spins > 64) sched_yield();
+}
+
+// hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+inline float lane_sum_q8(v8 v) {
+  return ((v[4] + v[0]) + (v[6] + v[2])) + ((v[5] + v[1]) + (v[7] + v[3]));
+}
+
+#ifdef __AVX2__
+// The eight lane sums of one block: lane j = sum of w[4j + i] * x[4j + i], i < 4 (llama.cpp's
+// mul_sum_i8_pairs_float, with |w| shared by the rows of x).
+inline __m256 block_lanes(__m256i w_abs, __m256i w, __m256i x) {
+  const __m256i products = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));  // 16 pair sums, no overflow
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+}
+#endif
+
+template <int MR, int NR>
+void q8_row_block(const int8_t* xq, const float* xd, const int8_t* wq, const float* wd, float* out, int64_t K,
+                  int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ8Block;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    v8 acc[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; ++r) acc[m][r] = v8{};
+    for (int64_t b = 0; b < nb; ++b) {
+#ifdef __AVX2__
+      __m256i w[NR], w_abs[NR];
+      for (int r = 0; r < NR; ++r) {
+        w[r] = _mm256_loadu_si256((const __m256i*)(wq + (n + r) * K + b * kQ8Block));
+        w_abs[r] = _mm256_sign_epi8(w[r], w[r]);
+      }
+      __m256 dw[NR];
+      for (int r = 0; r < NR; ++r) dw[r] = _mm256_broadcast_ss(wd + (n + r) * nb + b);
+      for (int m = 0; m < MR; ++m) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + m * K + b * kQ8Block));
+        const __m256 dx = _mm256_broadcast_ss(xd + m * nb + b);
+        for (int r = 0; r < NR; ++r)
+          acc[m][r] = multiply_add(acc[m][r], (v8)_mm256_mul_ps(dw[r], dx), (v8)block_lanes(w_abs[r], w[r], x));
+      }
+#else
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* x = xq + m * K + b * kQ8Block;
+        for (int r = 0; r < NR; ++r) {
+          const int8_t* w = wq + (n + r) * K + b * kQ8Block;
+          const float scale = wd[(n + r) * nb + b] * xd[m * nb + b];
+          for (int j = 0; j < 8; ++j) {
+            int32_t s = 0;
+            for (int i = 0; i < 4; ++i) s += int32_t(w[4 * j + i]) * int32_t(x[4 * j + i]);
+            acc[m][r][j] = std::fma(scale, float(s), acc[m][r][j]);
+          }
+        }
+      }
+#endif
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; ++r) out[m * N + n + r] = lane_sum_q8(acc[m][r]);
+  }
+  if constexpr (NR > 1) {
+    if (n < n1) q8_row_block<MR, 1>(xq, xd, wq, wd, out, K, N, n, n1);
+  }
+}
+
+void q8_columns(const int8_t* xq, const float* xd, const int8_t* wq, const float* wd, float* out, int64_t M,
+                int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kQ8Block;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+    const int8_t* xm = xq + m0 * K;
+    const float* dm = xd + m0 * nb;
+    float* om = out + m0 * N;
+    switch (std::min<int64_t>(kRowBlock, M - m0)) {
+      case 1: q8_row_block<1, 4>(xm, dm, wq, wd, om, K, N, n0, n1); break;
+      case 2: q8_row_block<2, 2>(xm, dm, wq, wd, om, K, N, n0, n1); break;
+      case 3: q8_row_block<3, 2>(xm, dm, wq, wd, om, K, N, n0, n1); break;
+      default: q8_row_block<4, 1>(xm, dm, wq, wd, om, K, N, n0, n1); break;
+    }
+  }
+}
+
+ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wq,
+                        ffi::Buffer<ffi::F32> wd, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xs = x.dimensions(), qs = wq.dimensions(), ds = wd.dimensions();
+  if (xs.size() != 2 || qs.size() != 2 || ds.size() != 2)
+    return ffi::Error::InvalidArgument("q8_rows_matmul: x, quants and scales must be 2-D");
+  const int64_t M = xs[0], K = xs[1], N = qs[0];
+  if (qs[1] != K || K % kQ8Block != 0 || ds[0] != N || ds[1] != K / kQ8Block)
+    return ffi::Error::InvalidArgument(
+        "q8_rows_matmul: x is [M, K], quants [N, K] and scales [N, K / 32], with K a multiple of 32");
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * (K / kQ8Block));
+  quantize_rows_q8_0(x.typed_data(), M, K, xq.data(), xd.data());
+  const int8_t* xqp = xq.data();
+  const float* xdp = xd.data();
+  const int8_t* wqp = wq.typed_data();
+  const float* wdp = wd.typed_data();
+  float* op = out->typed_data();
+  over_columns(pool, N, M * N * K, kQ8MinParallelWork,
+               [=](int64_t n0, int64_t n1) { q8_columns(xqp, xdp, wqp, wdp, op, M, K, N, n0, n1); });
   return ffi::Error::Success();
 }
 
@@ -138,5 +283,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_rows_matmul, RowsMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul, Q8RowsMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

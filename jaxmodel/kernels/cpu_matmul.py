@@ -1,9 +1,14 @@
-"""Few-row matrix products on CPU: an XLA FFI custom call (cpu_matmul.cc) over weights stored [N, K].
+"""Matrix products on CPU as XLA FFI custom calls (cpu_matmul.cc), over weights stored [N, K] (GGUF's order).
 
-`rows_matmul(x [M, K], w [N, K]) -> [M, N]` streams each weight row once for all M rows, so a 4-row product costs
-1.2-1.5x a one-row one alone (1.8x inside the 0.8B step) instead of 2-2.5x with XLA's dot (README, "Model step");
-`linear` uses it for M <= ROWS_KERNEL_MAX_ROWS when `load_model` stored a weight transposed (`weights.Transposed`,
-`precision.takes_rows_kernel`).
+`rows_matmul(x [M, K], w [N, K]) -> [M, N]`, float32 weights: streams each weight row once for all M rows, so a
+4-row product costs 1.2-1.5x a one-row one alone (1.8x inside the 0.8B step) instead of 2-2.5x with XLA's dot
+(README, "Model step"); `linear` uses it for M <= ROWS_KERNEL_MAX_ROWS when `load_model` stored a weight transposed
+(`weights.Transposed`, `precision.takes_rows_kernel`).
+
+`q8_rows_matmul(x [M, K], quants [N, K], scales [N, K/32]) -> [M, N]`, Q8_0 weights as the file holds them
+(`weights.Q8Rows`): llama.cpp's CPU arithmetic for a Q8_0 matmul (x quantized to Q8_0 per row, 8-bit products),
+reading a quarter of float32's bytes; `linear` uses it for every M. On the bundled Q8_0 model its logits equal
+llama.cpp's (tests/test_cpu_q8_matmul.py).
 
 The library is compiled from the source beside this file with the system's C++ compiler ($CXX, else g++) for the
 machine it runs on (-march=native), on first use or by `build()` (the Makefile's install step), into
@@ -32,6 +37,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "gdnspec_rows_matmul"
+TARGET_Q8 = "gdnspec_q8_rows_matmul"
+Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 ROWS_KERNEL_MAX_ROWS = 16  # above this (prefill chunks) XLA's dot on the [N, K] weight is as fast or faster
 
@@ -98,7 +105,8 @@ def available() -> bool:
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
         log.warning("the CPU few-row matmul kernel is unavailable, using XLA's products: %s", error)
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, TARGET)), platform="cpu")
+    for target in (TARGET, TARGET_Q8):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 
 
@@ -118,3 +126,41 @@ def rows_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     """The specification: x [M, K] @ w [N, K]^T -> [M, N] in float32 (XLA's dot)."""
     return jnp.einsum("mk,nk->mn", x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
+
+
+def q8_rows_matmul(x: jax.Array, quants: jax.Array, scales: jax.Array) -> jax.Array:
+    """x [M, K] float32 @ (quants [N, K] int8 * scales [N, K/32] float32, per block of 32)^T -> [M, N] float32,
+    as llama.cpp computes a Q8_0 matmul on CPU: x's rows quantized to Q8_0, 8-bit products summed exactly per
+    block, scaled and accumulated in float32 (see cpu_matmul.cc; requires `available()`). Any M; row m of the
+    result depends on x[m], quants and scales only."""
+    M, K = x.shape
+    N, K_q = quants.shape
+    if (K != K_q or K % Q8_BLOCK or scales.shape != (N, K // Q8_BLOCK) or x.dtype != jnp.float32
+            or quants.dtype != jnp.int8 or scales.dtype != jnp.float32):
+        raise ValueError(f"q8_rows_matmul takes float32 x [M, K], int8 quants [N, K] and float32 scales [N, K/32], K a "
+                         f"multiple of 32; got {x.dtype}{x.shape}, {quants.dtype}{quants.shape}, "
+                         f"{scales.dtype}{scales.shape}")
+    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_Q8, out, vmap_method="sequential")(x, quants, scales)
+
+
+def quantize_rows_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] float32 -> (quants [M, K] int8, scales [M, K/32] float32): llama.cpp's quantize_row_q8_0 as its
+    AVX2 path computes it (d = amax / 127 rounded to f16; q = x * (127 / amax), rounded to nearest, ties to even)."""
+    M, K = x.shape
+    blocks = x.reshape(M, K // Q8_BLOCK, Q8_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    inverse = jnp.where(amax != 0, jnp.float32(127) / jnp.where(amax != 0, amax, 1), 0)
+    quants = jnp.round(blocks * inverse).astype(jnp.int8).reshape(M, K)
+    scales = (amax[..., 0] / jnp.float32(127)).astype(jnp.float16).astype(jnp.float32)
+    return quants, scales
+
+
+def q8_rows_matmul_reference(x: jax.Array, quants: jax.Array, scales: jax.Array) -> jax.Array:
+    """The specification of `q8_rows_matmul`: x quantized by `quantize_rows_q8_0`, each block's integer dot
+    product exact, scaled by both blocks' scales and summed in float32 (XLA's order, not the kernel's)."""
+    (M, K), N = x.shape, quants.shape[0]
+    xq, xd = quantize_rows_q8_0(x)
+    dots = jnp.einsum("mbi,nbi->mnb", xq.reshape(M, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.int32),
+                      quants.reshape(N, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.int32))
+    return jnp.sum(dots.astype(jnp.float32) * (xd[:, None, :] * scales[None, :, :]), axis=-1)
