@@ -155,7 +155,7 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // bytes) and the products are 8-bit. A row's result depends on that row of x only, for every M.
 
 constexpr int64_t kQ8Block = 32;
-constexpr int64_t kQ8MinParallelWork = 1 << 19;  // products (M * N * K) below which one thread does it all
+constexpr int64_t kQ8MinParallelWork = 1 << 16;  // products (M * N * K) below which one thread does it all
 
 inline float round_to_f16(float v) {
 #ifdef __F16C__
@@ -264,8 +264,12 @@ ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (qs[1] != K || K % kQ8Block != 0 || ds[0] != N || ds[1] != K / kQ8Block)
     return ffi::Error::InvalidArgument(
         "q8_rows_matmul: x is [M, K], quants [N, K] and scales [N, K / 32], with K a multiple of 32");
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * (K / kQ8Block));
+  // x's quantized rows, in a buffer kept by the calling thread (no allocation per call): pool tasks read it, and
+  // the call waits for them all before it returns.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd;
+  if (xq.size() < size_t(M * K)) xq.resize(M * K);
+  if (xd.size() < size_t(M * (K / kQ8Block))) xd.resize(M * (K / kQ8Block));
   quantize_rows_q8_0(x.typed_data(), M, K, xq.data(), xd.data());
   const int8_t* xqp = xq.data();
   const float* xdp = xd.data();
