@@ -57,21 +57,34 @@ class _Tensors:
     def matmul(self, name: str, shape: tuple[int, ...], quantized: bool = True) -> np.ndarray | Q8Rows:
         """A matmul weight stored [..., n_out, n_in], returned in the pytree's [..., n_in, n_out] layout; with
         keep_q8_0, a 2-D Q8_0 one as the file's blocks (`Q8Rows`) unless quantized is False."""
-        t = self.by_name.get(name)
-        if self.keep_q8_0 and quantized and len(shape) == 2 and t is not None and t.tensor_type == QT.Q8_0:
-            return self._q8_rows(name, t, shape)
+        if quantized and self.keeps_blocks(name, shape):
+            return self._q8_rows(name, shape)
         return np.ascontiguousarray(np.swapaxes(self.get(name, shape), -1, -2))
 
-    def _q8_rows(self, name: str, t, shape: tuple[int, int]) -> Q8Rows:
-        block_size, block_bytes = gguf.GGML_QUANT_SIZES[QT.Q8_0]
-        data = np.asarray(t.data)
-        n_out, n_in = data.shape[0], data.shape[-1] // block_bytes * block_size
-        if data.ndim != 2 or (n_out, n_in) != tuple(shape):
-            raise ModelFormatError(f"{self.path}: tensor '{name}' has shape {(n_out, n_in)}, expected {tuple(shape)}")
-        blocks = data.reshape(n_out, n_in // block_size, block_bytes)
-        scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [n_out, n_in / 32]
-        quants = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n_out, n_in)
-        return Q8Rows(quants=quants, scales=scales)
+    def keeps_blocks(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether `matmul` returns the tensor as the file's Q8_0 blocks (`Q8Rows`)."""
+        t = self.by_name.get(name)
+        return self.keep_q8_0 and len(shape) == 2 and t is not None and t.tensor_type == QT.Q8_0
+
+    def _q8_rows(self, name: str, shape: tuple[int, int]) -> Q8Rows:
+        data = np.asarray(self.by_name[name].data)
+        if data.ndim != 2:
+            raise ModelFormatError(f"{self.path}: tensor '{name}' has {data.ndim} dims, expected {tuple(shape)}")
+        rows = q8_rows_from_blocks(data)
+        if rows.quants.shape != tuple(shape):
+            raise ModelFormatError(f"{self.path}: tensor '{name}' has shape {rows.quants.shape}, expected {tuple(shape)}")
+        return rows
+
+
+def q8_rows_from_blocks(data: np.ndarray) -> Q8Rows:
+    """A Q8_0 tensor's raw rows [n_out, n_in / 32 * 34] (uint8: per block an f16 scale, then 32 int8 quants, as
+    GGUF stores them and `gguf.quants.quantize` writes them) -> `Q8Rows`."""
+    block_size, block_bytes = gguf.GGML_QUANT_SIZES[QT.Q8_0]
+    n_out, n_in = data.shape[0], data.shape[1] // block_bytes * block_size
+    blocks = data.reshape(n_out, n_in // block_size, block_bytes)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [n_out, n_in / 32]
+    quants = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n_out, n_in)
+    return Q8Rows(quants=quants, scales=scales)
 
 
 def _split_outputs(w: np.ndarray | Q8Rows, sections: list[int]) -> list[np.ndarray | Q8Rows]:
@@ -214,7 +227,12 @@ def read_gguf(
     V, E = cfg.n_vocab, cfg.n_embd
     embed = ts.get("token_embd.weight", (V, E))
     output_norm = ts.get("output_norm.weight", (E,))
-    output = ts.matmul("output.weight" if ts.has("output.weight") else "token_embd.weight", (V, E))
+    if ts.has("output.weight"):
+        output = ts.matmul("output.weight", (V, E))
+    elif ts.keeps_blocks("token_embd.weight", (V, E)):
+        output = ts.matmul("token_embd.weight", (V, E))  # a tied head multiplies the embedding's blocks
+    else:
+        output = np.ascontiguousarray(embed.T)
     layers = tuple(_layer(ts, i, cfg, cfg.recurrent[i]) for i in range(cfg.n_layer))
     mtp = None
     if cfg.n_mtp and load_mtp:

@@ -85,8 +85,10 @@ def linear(x: jax.Array, w: MatmulWeight, bias: jax.Array | None = None) -> jax.
     m = math.prod(lead)
     if isinstance(w, Q8Rows):
         form = "q8_0"
+    elif isinstance(w, Transposed):
+        form = "transposed"
     else:
-        form = "transposed" if isinstance(w, Transposed) else small_row_form(m, w)
+        form = small_row_form(m, w)
     if form == "q8_0":
         y = q8_rows_matmul(x.reshape(m, n_in), w.quants, w.scales).reshape(*lead, n_out)
     elif form == "transposed":

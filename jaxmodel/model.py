@@ -204,7 +204,7 @@ class Model:
 def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False,
                weight_dtype: str | None = None, cpu_kernel: bool = True) -> Model:
     """Load a qwen35 / qwen35moe / qwen3next GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, dequantised to
-    float32).
+    float32, except Q8_0 matmul weights on CPU: see cpu_kernel).
 
     keep_f16: keep F16 tensors in f16; their matmuls then round activations to f16 as llama.cpp does on CPU
     (exact F16 parity; slower on CPU, see docs/design.md). weight_dtype: "float32" or "bfloat16" for the matmul

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from jaxmodel.assets import default_model_path
-from jaxmodel.gguf_io import _split_outputs, read_gguf, write_gguf
+from jaxmodel.gguf_io import _split_outputs, q8_rows_from_blocks, read_gguf, write_gguf
 from jaxmodel.kernels import cpu_matmul
 from jaxmodel.layers import linear
 from jaxmodel.model import load_model
@@ -35,10 +35,8 @@ def _operands(M, K, N, seed=0):
 
 def _blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w [N, K] -> (quants [N, K] int8, scales [N, K/32] float32), through gguf's own Q8_0 quantizer."""
-    N, K = w.shape
-    raw = quants.quantize(w, QT.Q8_0).reshape(N, K // 32, 34)
-    scales = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    return np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(N, K), scales
+    rows = q8_rows_from_blocks(quants.quantize(w, QT.Q8_0))
+    return rows.quants, rows.scales
 
 
 def _dequantized(w: Q8Rows) -> np.ndarray:

@@ -103,7 +103,7 @@ def available() -> bool:
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
-        log.warning("the CPU few-row matmul kernel is unavailable, using XLA's products: %s", error)
+        log.warning("the CPU matmul kernels are unavailable, using XLA's products on float32 weights: %s", error)
         return False
     for target in (TARGET, TARGET_Q8):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
@@ -125,7 +125,6 @@ def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def rows_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
     """The specification: x [M, K] @ w [N, K]^T -> [M, N] in float32 (XLA's dot)."""
     return jnp.einsum("mk,nk->mn", x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
 
 
 def q8_rows_matmul(x: jax.Array, quants: jax.Array, scales: jax.Array) -> jax.Array:
