@@ -35,7 +35,7 @@ def _build_engine(args):
     from drafters.draft_model import check_same_vocab
     from jaxmodel import load_model
     from jaxmodel.tokenizer import load_tokenizer
-    from scheduler.engine import DEFAULT_ITERATIONS, Engine
+    from scheduler.engine import DEFAULT_ITERATIONS, DEFAULT_MAX_CALL_SECONDS, Engine
 
     model_path, draft_path = _model_paths(args)
     model = load_model(model_path, weight_dtype=args.weight_dtype)
@@ -48,6 +48,7 @@ def _build_engine(args):
         model, tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
         adaptive=not args.fixed_policy, iterations=args.iterations or DEFAULT_ITERATIONS, draft_vocab=args.draft_vocab,
+        max_call_seconds=DEFAULT_MAX_CALL_SECONDS if args.max_call_ms is None else args.max_call_ms / 1e3 or None,
     )  # fmt: skip
     return engine, tokenizer
 
@@ -62,7 +63,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-policy", action="store_true",
                    help="draft with each request's drafters in order at n_max instead of the adaptive policy")
     p.add_argument("--iterations", type=int, default=None,
-                   help="most speculative iterations (or plain decoding steps) per device call (default: 8)")
+                   help="most speculative iterations (or plain decoding steps) per device call (default: 32)")
+    p.add_argument("--max-call-ms", type=float, default=None,
+                   help="fewer iterations per device call where they would take longer than this, as the last "
+                        "decoding call measured (0: no bound; default: 100)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="the MTP head drafts among the token ids below this (default: all)")
     p.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default=None,
@@ -283,6 +287,10 @@ def _bench(args) -> int:
         from bench.speculation import main as bench_speculation
 
         bench_speculation(args.rest)
+    elif args.what == "iterations":
+        from bench.iterations import main as bench_iterations
+
+        bench_iterations(args.rest)
     return 0
 
 
@@ -358,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.set_defaults(func=_make_random)
 
-    p = sub.add_parser("bench", help="benchmarks: bench step|engine|speculation|peer|attention --model M ...")
-    p.add_argument("what", choices=["step", "engine", "speculation", "peer", "attention"])
+    p = sub.add_parser("bench", help="benchmarks: bench step|engine|speculation|iterations|peer|attention --model M ...")
+    p.add_argument("what", choices=["step", "engine", "speculation", "iterations", "peer", "attention"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     return parser

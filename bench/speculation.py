@@ -138,17 +138,21 @@ def run(args) -> dict:
     return out
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def workload_arguments(parser: argparse.ArgumentParser, drafters: str) -> None:
+    """The options this benchmark shares with `bench.iterations`: model, output, prompts, streams, drafters."""
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out", default=None, help="write JSON results here")
     parser.add_argument("--prompts", default="code", help="a named prompt set or a file (see bench/prompts.py)")
     parser.add_argument("--streams", default="1,16", help="concurrent streams, comma-separated")
-    parser.add_argument("--drafters", default="plain;mtp;ngram;mtp,ngram",
-                        help="drafter sets separated by ';' (plain: none)")
+    parser.add_argument("--drafters", default=drafters, help="drafter sets separated by ';' (plain: none)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--n-max", type=int, default=3)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    workload_arguments(parser, drafters="plain;mtp;ngram;mtp,ngram")
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--budget-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,

@@ -1,6 +1,7 @@
 """The device executor: owns a model's state pools, pads host rows into a few compiled shapes, and runs one jitted
 call per step (`jaxmodel.speculative`): the target's forward, verification and the next MTP drafts, or a draft
-model's whole chain. Inputs are built with numpy; the host reads back only small arrays.
+model's whole chain. Inputs are built with numpy and travel packed in one buffer, as do the small arrays the host
+reads back (`jaxmodel.host_io`).
 
 Synchronous and single-threaded: the engine calls it from one worker thread at a time.
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .delta_rule import CPU_CHUNKED_MIN_TOKENS
+from .host_io import PackedCall
 from .model import Model, rebuild
 from .sampling import SamplingParams
 from .speculative import (ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain, rebuild_pass_rows,
@@ -161,11 +163,15 @@ PER_ROW_REBUILD_MIN_BYTES = 4 << 20
 def _compiled(cfg: ModelConfig):
     """The jitted step, chain and replay rebuild (timed alone by `calibrate`) of a config, shared by every runtime
     of it (so their compilations are too)."""
-    step = jax.jit(functools.partial(speculative_step, cfg=cfg),
-                   static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab", "rebuild_rows"),
-                   donate_argnames="state")
-    chain = jax.jit(functools.partial(draft_chain, cfg=cfg), static_argnames="n_max", donate_argnames="state")
-    return step, chain, jax.jit(functools.partial(rebuild, cfg=cfg), donate_argnames="state")
+    step = PackedCall(functools.partial(speculative_step, cfg=cfg),
+                      static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab", "rebuild_rows"))
+
+    def chain(weights, state, **inputs):
+        drafts, n_drafted, state = draft_chain(weights, cfg, state=state, **inputs)
+        return (drafts, n_drafted), state
+
+    return step, PackedCall(chain, static_argnames=("n_max",)), jax.jit(functools.partial(rebuild, cfg=cfg),
+                                                                        donate_argnames="state")
 
 
 def plane_write_cost(without: Sequence[float], with_writes: Sequence[float], n_planes: int) -> float:
@@ -234,6 +240,12 @@ class Runtime:
         self.plane_write_seconds: dict[int, float] = {}  # batch bucket -> one more GDN state written (see calibrate)
 
     @property
+    def last_step_traced(self) -> bool:
+        """Whether the last `step` was the first of its shape in this process (traced, and compiled unless a cache
+        held it): its time says little about the next one's."""
+        return self._step.traced
+
+    @property
     def replay_tokens(self) -> int:
         """The longest draft a replay row may verify (0: this runtime has no replay pool)."""
         return self.state.replay_tokens
@@ -279,15 +291,13 @@ class Runtime:
         verify_in, chain = self._step_inputs(rows, B, batch.logit_rows.shape[1])
         max_iterations = self.loops(T, final_only)
         loop = self._loop_inputs(rows, B, min(iterations, max_iterations)) if max_iterations > 1 else None
+        inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop,
+                      replay=self._replay_inputs(rows, B, T, final_only))
         (out, more), self.state = self._step(
-            self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
-            replay=self._replay_inputs(rows, B, T, final_only), final_only=final_only,
-            n_max=self.mtp_chain_max,
+            self.model.weights, self.state, inputs, final_only=final_only, n_max=self.mtp_chain_max,
             max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
         )  # fmt: skip
-        n_accepted, tokens, drafts, n_drafted, more = jax.device_get(
-            (out.n_accepted, out.tokens, out.drafts, out.n_drafted, more)
-        )
+        n_accepted, tokens, drafts, n_drafted = out.n_accepted, out.tokens, out.drafts, out.n_drafted
         results = []
         for b, r in enumerate(rows):
             if not r.row.logit_rows:
@@ -377,9 +387,9 @@ class Runtime:
         for b in range(len(rows)):
             planes[b, : len(chain_planes[b][:n])] = chain_planes[b][:n]
             wanted[b], floor[b] = n_chain[b], p_min[b]
-        drafts, n_drafted, self.state = self._chain(self.model.weights, batch=batch, state=self.state,
-                                                    chain_planes=planes, n_chain=wanted, p_min=floor, n_max=n)
-        drafts, n_drafted = jax.device_get((drafts, n_drafted))
+        (drafts, n_drafted), self.state = self._chain(
+            self.model.weights, self.state, dict(batch=batch, chain_planes=planes, n_chain=wanted, p_min=floor), n_max=n
+        )
         return [drafts[b, : n_drafted[b]].tolist() for b in range(len(rows))]
 
     def warmup(self) -> Iterator[tuple[int, int]]:
@@ -393,12 +403,12 @@ class Runtime:
             verify_in, chain = self._step_inputs([], B, R)
             max_iterations = self.loops(T, final_only)
             loop = self._loop_inputs([], B, 1) if max_iterations > 1 else None
-            (out, _), self.state = self._step(
-                self.model.weights, batch=batch, state=self.state, verify_in=verify_in, chain=chain, loop=loop,
-                replay=self._replay_inputs([], B, T, final_only), final_only=final_only, n_max=self.mtp_chain_max,
+            inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop,
+                          replay=self._replay_inputs([], B, T, final_only))
+            self.state = self._step(
+                self.model.weights, self.state, inputs, final_only=final_only, n_max=self.mtp_chain_max,
                 max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
-            )  # fmt: skip
-            jax.block_until_ready(out.tokens)
+            )[1]  # fmt: skip
             yield B, T
 
     def calibrate(self, repeats: int = 5, spare_planes: Sequence[int] = ()) -> Calibration:
@@ -509,10 +519,9 @@ class Runtime:
         for B, T in itertools.product(Bs, Ts):
             batch = pack_batch([], B=B, T=T, P=self.shapes.pages_per_row, R=1)
             zeros = np.zeros((B,), np.int32)
-            drafts, _, self.state = self._chain(self.model.weights, batch=batch, state=self.state,
-                                                chain_planes=np.full((B, self.n_chain_max), -1, np.int32),
-                                                n_chain=zeros, p_min=zeros.astype(np.float32), n_max=self.n_chain_max)
-            jax.block_until_ready(drafts)
+            inputs = dict(batch=batch, chain_planes=np.full((B, self.n_chain_max), -1, np.int32), n_chain=zeros,
+                          p_min=zeros.astype(np.float32))
+            self.state = self._chain(self.model.weights, self.state, inputs, n_max=self.n_chain_max)[1]
             yield B, T
             if self.shapes.is_long(T):
                 out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=True)

@@ -307,17 +307,17 @@ class Scheduler:
         return events
 
     def _hold_lookahead(self, specs: list[_RowSpec]) -> None:
-        """Best effort: pages for `lookahead` positions past each row's tokens, while the free pages could give
-        every running sequence as many (so that holding them never forces a preemption)."""
+        """Best effort: pages for up to `lookahead` positions past each row's tokens, each row taking at most an
+        equal share of the free pages (so that holding them never keeps another running sequence from its share,
+        and a lookahead larger than memory allows still holds what fits)."""
         limit = pages_for(self.max_model_len, self.memory.page_size)
-        reserve = len(self._running) * pages_for(self.lookahead, self.memory.page_size)
+        share = self.memory.free_pages // max(len(self._running), 1)
         for spec in specs:
             seq = spec.seq
             end = seq.n_computed + spec.n_feed + spec.draft_max + self.lookahead
-            want = min(pages_for(end, self.memory.page_size), limit) - len(seq.pages)
-            spare = self.memory.free_pages - reserve
-            if want > 0 and spare > 0:
-                seq.pages += self.memory.take_pages(min(want, spare))
+            want = min(pages_for(end, self.memory.page_size), limit, len(seq.pages) + share) - len(seq.pages)
+            if want > 0:
+                seq.pages += self.memory.take_pages(want)
 
     def fail(self, plan: StepPlan, error: str = "the step failed") -> list[Event]:
         """The step could not run: every sequence in it ends with done(error) (cancelled if it was aborted).

@@ -55,7 +55,15 @@ class _NullDetokenizer:
         return ""
 
 
-DEFAULT_ITERATIONS = 8
+# The most iterations one device call runs while nothing needs the host. Each call costs a fixed ~1.5-2 ms at one
+# stream on CPU beyond its iterations (the first iteration, the worker-thread hand-off, the scheduler's update,
+# streaming the burst): on the bundled model, paired rounds in one process measured 32 against 8 at 1.57x (plain) and
+# 1.62x (MTP) at one stream and 1.27x at 16 streams (README, "Iterations per device call"). A request arriving
+# meanwhile waits for the call in flight, at most 32 iterations.
+DEFAULT_ITERATIONS = 32
+# ... and no more of them than fit in this long a call, by the last decoding call's time per iteration at that many
+# rows: a 16-row iteration of the bundled model takes about 3 ms on CPU, a one-row one of the 0.8B shape 60 ms.
+DEFAULT_MAX_CALL_SECONDS = 0.1
 DEFAULT_DRAFT_VOCAB = None
 
 
@@ -79,6 +87,7 @@ class Engine:
         policy_params: PolicyParams | None = None,
         adaptive: bool = True,
         iterations: int = DEFAULT_ITERATIONS,
+        max_call_seconds: float | None = DEFAULT_MAX_CALL_SECONDS,
         stop_token_ids: Sequence[int] | None = None,
         draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
         background_warmup: bool = False,
@@ -87,8 +96,11 @@ class Engine:
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
         policy in `drafters.policy` chooses drafter and length per sequence. iterations: the most speculative
         iterations (or plain decoding steps) one device call runs while the host has nothing to decide between
-        them (no request waiting or arriving, no stop string to check, drafts only from the MTP head).
-        stop_token_ids: end-of-generation ids (default: the tokenizer's). draft_vocab: the MTP head drafts among
+        them (no request waiting or arriving, no stop string to check, drafts only from the MTP head); the steps
+        are compiled for it, and the attribute `iterations` may be lowered later (`bench.iterations` does).
+        max_call_seconds: fewer iterations where the last decoding call at this many rows says that many would take
+        longer (None: no bound), since a request arriving meanwhile waits for the call and streams get its tokens
+        as one burst. stop_token_ids: end-of-generation ids (default: the tokenizer's). draft_vocab: the MTP head drafts among
         the token ids below it (None: the whole vocabulary; see `jaxmodel.speculative.iteration`).
         background_warmup: while running and idle, compile the shapes `warmup` would, one at a time, then calibrate
         (a server then listens at once; requests arriving meanwhile compile what they need first)."""
@@ -140,6 +152,8 @@ class Engine:
         self.background_warmup = background_warmup
         self.adaptive = adaptive
         self.iterations = iterations
+        self.max_call_seconds = max_call_seconds
+        self._iteration_seconds: dict[int, float] = {}  # rows -> seconds per iteration of the last decoding call
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
         self._timings: dict[int, RequestTiming] = {}
@@ -167,7 +181,7 @@ class Engine:
             if timing is not None and timing.scheduled is None:
                 timing.scheduled = start
         plan = self._attach_drafts(plan, choices)
-        iterations = self.iterations if quiet and not self.scheduler.n_waiting else 1
+        iterations = self._iterations(len(plan.rows)) if quiet and not self.scheduler.n_waiting else 1
         rows = [self._step_row(row, len(plan.rows), iterations > 1) for row in plan.rows]
         start = time.perf_counter()
         results = self.runtime.step(rows, iterations)
@@ -197,6 +211,13 @@ class Engine:
         self.steps += 1
         return events
 
+    def _iterations(self, n_rows: int) -> int:
+        """The most iterations a call of n_rows rows may run: `iterations`, fewer where `max_call_seconds` says."""
+        per_iteration = self._iteration_seconds.get(n_rows)
+        if self.max_call_seconds is None or not per_iteration:
+            return self.iterations
+        return max(1, min(self.iterations, int(self.max_call_seconds / per_iteration)))
+
     def _rollback_costs(self) -> RollbackCosts:
         """What each rollback mode costs now, for the memory rule's choice: the rebuild's, the verify steps' and
         snapshot's per state written, as calibrated at this many rows, and the policy's measured per-token cost of a
@@ -217,6 +238,8 @@ class Engine:
         if not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
         n_iterations = 1 + max(len(r.more) for r in results)
+        if not self.runtime.last_step_traced:  # a compile is no iteration's cost
+            self._iteration_seconds[len(rows)] = seconds / n_iterations  # the last call's, so a slow one passes
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links

@@ -17,7 +17,15 @@ from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 
 MAX_TOKENS = 16
-ITERATIONS = 8  # the engine's default: the most iterations one device call runs
+# The most iterations one device call runs: fewer than MAX_TOKENS, so a request takes several. Set on engines built
+# with the default bound, whose compiled steps the other tests' engines share.
+ITERATIONS = 8
+
+
+def engine_of(target, **options) -> Engine:
+    engine = Engine(target, **ENGINE, **options)
+    engine.iterations = ITERATIONS
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +194,7 @@ def test_several_iterations_per_device_call_are_lossless(target, prompts, refere
     assert any(len(prompt) % ENGINE["chunk_size"] == 1 for prompt in chosen)
 
     async def main():
-        engine = Engine(target, iterations=ITERATIONS, adaptive=False, **ENGINE)
+        engine = engine_of(target, adaptive=False, max_call_seconds=None)
         async with engine:
             for prompt in chosen:
                 tokens, done, _ = await collect(engine, GenerationRequest(prompt, MAX_TOKENS, speculative=spec))
@@ -205,13 +213,32 @@ def test_several_iterations_per_device_call_are_lossless(target, prompts, refere
     assert steps <= chunks + len(chosen) * -(-(MAX_TOKENS - 1) // ITERATIONS)
 
 
+def test_a_bound_on_call_time_runs_fewer_iterations_per_call(target, prompts, references):
+    """With max_call_seconds below any iteration's time, a call runs one iteration once the engine has timed a
+    decoding call at that many rows: the first call after the prompt may loop, every later one commits one
+    token. Without the bound the same request takes two calls after its prompt. Tokens are the same either way."""
+    prompt = prompts[1]  # 9 tokens: one prefill chunk
+
+    async def run(max_call_seconds):
+        engine = engine_of(target, max_call_seconds=max_call_seconds)
+        async with engine:
+            tokens, done, _ = await collect(engine, GenerationRequest(prompt, MAX_TOKENS))
+        assert tokens == references[prompt] and done.completion_tokens == MAX_TOKENS
+        return engine.steps
+
+    unbounded, bounded = anyio.run(run, None), anyio.run(run, 1e-9)
+    assert unbounded <= 1 + -(-(MAX_TOKENS - 1) // ITERATIONS)
+    # the prefill step commits 1 token, the first decoding call up to ITERATIONS, each later call 1
+    assert bounded >= 1 + 1 + (MAX_TOKENS - 1 - ITERATIONS) > unbounded
+
+
 def test_end_of_generation_id_ends_a_sequence_inside_a_device_loop(target, prompts, references):
     prompt = prompts[0]
     stop_id = references[prompt][6]
     expected = references[prompt][: references[prompt].index(stop_id)]
 
     async def main():
-        engine = Engine(target, iterations=ITERATIONS, stop_token_ids=[stop_id], **ENGINE)
+        engine = engine_of(target, stop_token_ids=[stop_id])
         free = (engine.memory.free_pages, engine.memory.free_planes)
         async with engine:
             result = await collect(engine, GenerationRequest(prompt, MAX_TOKENS))

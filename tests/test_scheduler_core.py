@@ -428,6 +428,27 @@ def test_admission_leaves_a_page_per_running_sequence():
     assert [r.seq_id for r in sched.schedule().rows] == ["a"] and sched.n_waiting == 1
 
 
+def test_lookahead_holds_an_equal_share_of_what_fits():
+    """A lookahead larger than the free pages allow still holds pages ahead (each running row at most an equal
+    share of the free ones), so device loops do not stop at every page end; with room, each row holds all of it."""
+    prompts = {"a": (1, 2), "b": (3, 4)}
+
+    def held_after_two_steps(sched):
+        for seq_id, prompt in prompts.items():
+            sched.add(Request(seq_id, prompt, max_tokens=60))
+        plan = sched.schedule()  # admits both: a page each
+        sched.update(plan, verify_greedy(plan, FakeModel(4).run(plan, prompts)))
+        sched.schedule()  # both decode their first token at position 2, holding pages ahead
+        return {seq.request.seq_id: len(seq.pages) for seq in sched._running}
+
+    tight = make_scheduler(n_pages=21, page_size=4, max_model_len=80)  # 20 usable pages
+    tight.lookahead = 400
+    assert held_after_two_steps(tight) == {"a": 1 + 9, "b": 1 + 9}  # half of the 18 free pages each
+    roomy = make_scheduler(n_pages=64, page_size=4, max_model_len=80)
+    roomy.lookahead = 12
+    assert held_after_two_steps(roomy) == {"a": pages_for(3 + 12, 4), "b": pages_for(3 + 12, 4)}
+
+
 def test_preemption_takes_the_youngest_and_loses_nothing():
     # 4 usable pages of 4 tokens: both sequences cannot reach 14 positions at once.
     reqs = [Request("old", (1, 2, 3), max_tokens=11, speculative=spec(2)),
