@@ -462,6 +462,10 @@ async def _one_request(
         error = exc.code
     except ConnectionLost:
         error = "disconnected" if acted and fate[0] == "disconnect" else "connection_lost"
+    if error is None and acted and fate[0] == "disconnect":
+        # The frames up to `done` had arrived before the close (a device call's tokens come as one burst); the
+        # connection is gone all the same, and the worker must not send on it again.
+        error = "disconnected"
     return RequestRecord(
         index=index, worker=worker, prompt_index=prompt_index, start=start, end=now(), chunks=tuple(chunks),
         finish_reason=done.finish_reason if done else None, error=error,
