@@ -59,14 +59,16 @@ def run(args) -> dict:
                             result = await _run(engine, requests, n_streams)
                             reference = reference or result["tokens"]
                             if result["tokens"] != reference:
-                                raise AssertionError(f"{policy}, {n_streams} streams: {k} iterations changed the output")
+                                raise AssertionError(f"{policy}, {n_streams} streams: {k} iterations changed the "
+                                                     f"output")  # fmt: skip
                             if round_:
                                 rates[k].append(result["tokens_per_s"])
                     base = rates[counts[0]]
                     cell = {"streams": n_streams, "drafters": list(drafters) or ["plain"],
                             "tokens_per_s": {k: statistics.median(r) for k, r in rates.items()},
                             "rounds_tokens_per_s": rates,
-                            "vs_first": {k: statistics.median(x / b for x, b in zip(r, base)) for k, r in rates.items()}}  # fmt: skip
+                            "vs_first": {k: statistics.median(x / b for x, b in zip(r, base))
+                                         for k, r in rates.items()}}  # fmt: skip
                     out["cells"].append(cell)
                     if args.out:
                         save_json(out, args.out)

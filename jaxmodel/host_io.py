@@ -107,6 +107,10 @@ def unpack_host(buffer: np.ndarray, layout: Layout):
     return layout.treedef.unflatten(leaves)
 
 
+def _static_key(static: dict) -> tuple:
+    return tuple(sorted(static.items()))
+
+
 class PackedCall:
     """`fn(weights, state=..., **inputs, **static) -> (outputs, state)` jitted so that its small host inputs travel
     as one packed buffer and its outputs come back as one, state donated.
@@ -124,7 +128,7 @@ class PackedCall:
         def packed(weights, state, buffer, *, layout: Layout, **static):
             out, state = fn(weights, state=state, **unpack(buffer, layout), **static)
             buffer, out_layout = pack_traced(out)
-            self._out_layouts[layout, tuple(sorted(static.items()))] = out_layout
+            self._out_layouts[layout, _static_key(static)] = out_layout
             return buffer, state
 
         self._jitted = jax.jit(packed, static_argnames=("layout", *static_argnames), donate_argnames="state")
@@ -134,4 +138,4 @@ class PackedCall:
         n_traced = len(self._out_layouts)
         out, state = self._jitted(weights, state, buffer, layout=layout, **static)
         self.traced = len(self._out_layouts) > n_traced
-        return unpack_host(np.asarray(out), self._out_layouts[layout, tuple(sorted(static.items()))]), state
+        return unpack_host(np.asarray(out), self._out_layouts[layout, _static_key(static)]), state

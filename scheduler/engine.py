@@ -57,9 +57,10 @@ class _NullDetokenizer:
 
 # The most iterations one device call runs while nothing needs the host. Each call costs a fixed ~1.5-2 ms at one
 # stream on CPU beyond its iterations (the first iteration, the worker-thread hand-off, the scheduler's update,
-# streaming the burst): on the bundled model, paired rounds in one process measured 32 against 8 at 1.57x (plain) and
-# 1.62x (MTP) at one stream and 1.27x at 16 streams (README, "Iterations per device call"). A request arriving
-# meanwhile waits for the call in flight, at most 32 iterations.
+# streaming the burst): on the bundled model, `gdnspec bench iterations` (paired rounds in one process) measured 32
+# against 8 at 1.50x (plain) and 1.75x (MTP) at one stream and 1.10x (plain) at 16 streams
+# (bench/results/iterations-cpu.json; README, "Iterations per device call"). A request arriving meanwhile waits for
+# the call in flight.
 DEFAULT_ITERATIONS = 32
 # ... and no more of them than fit in this long a call, by the last decoding call's time per iteration at that many
 # rows: a 16-row iteration of the bundled model takes about 3 ms on CPU, a one-row one of the 0.8B shape 60 ms.
@@ -100,8 +101,8 @@ class Engine:
         are compiled for it, and the attribute `iterations` may be lowered later (`bench.iterations` does).
         max_call_seconds: fewer iterations where the last decoding call at this many rows says that many would take
         longer (None: no bound), since a request arriving meanwhile waits for the call and streams get its tokens
-        as one burst. stop_token_ids: end-of-generation ids (default: the tokenizer's). draft_vocab: the MTP head drafts among
-        the token ids below it (None: the whole vocabulary; see `jaxmodel.speculative.iteration`).
+        as one burst. stop_token_ids: end-of-generation ids (default: the tokenizer's). draft_vocab: the MTP head
+        drafts among the token ids below it (None: the whole vocabulary; see `jaxmodel.speculative.iteration`).
         background_warmup: while running and idle, compile the shapes `warmup` would, one at a time, then calibrate
         (a server then listens at once; requests arriving meanwhile compile what they need first)."""
         cfg = model.cfg
@@ -234,7 +235,8 @@ class Engine:
         (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
         the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
         rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
-        reported: their cost follows the chunk, not the drafts."""
+        reported: their cost follows the chunk, not the drafts. Also keeps the call's time per iteration for
+        `max_call_seconds` (`_iterations`), unless the call traced."""
         if not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
         n_iterations = 1 + max(len(r.more) for r in results)
