@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .delta_rule import advance_states, gated_delta_rule
-from .layers import l2_norm, linear, rms_norm
+from .layers import l2_norm, linear, project, rms_norm
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
 
@@ -38,10 +38,10 @@ def gdn_mixer(
     each recording row's raw conv inputs, g and beta of tokens record_from.. (n of them) in its slot."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
-    qkv = linear(x, w.qkv)  # [B, T, C]
-    z = linear(x, w.gate).reshape(B, T, Hv, Dk)
-    beta = jnp.where(valid[..., None], jax.nn.sigmoid(linear(x, w.beta)), 0.0)  # [B, T, Hv]
-    g = jnp.where(valid[..., None], jax.nn.softplus(linear(x, w.alpha) + w.dt_bias) * w.a, 0.0)
+    qkv, z, beta, alpha = project(x, (w.qkv, w.gate, w.beta, w.alpha))  # [B, T, C], [B, T, Hv Dk], [B, T, Hv] x2
+    z = z.reshape(B, T, Hv, Dk)
+    beta = jnp.where(valid[..., None], jax.nn.sigmoid(beta), 0.0)  # [B, T, Hv]
+    g = jnp.where(valid[..., None], jax.nn.softplus(alpha + w.dt_bias) * w.a, 0.0)
     if replay_pool is not None and record_slot is not None:
         n = replay_pool.shape[1]
         index = jnp.minimum(record_from[:, None] + jnp.arange(n)[None, :], T - 1)  # [B, n]; past the row: unused

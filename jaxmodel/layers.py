@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ import jax.numpy as jnp
 from .attention import attend
 from .config import ModelConfig
 from .kernels.cpu_matmul import ROWS_KERNEL_MAX_ROWS, q8_rows_matmul, rows_matmul
-from .weights import Attention, DenseFfn, MatmulWeight, Q8Rows, Transposed
+from .weights import Attention, DenseFfn, Fused, MatmulWeight, Q8Rows, Transposed
 
 
 def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -107,6 +109,21 @@ def linear(x: jax.Array, w: MatmulWeight, bias: jax.Array | None = None) -> jax.
     return y if bias is None else y + bias
 
 
+def project(x: jax.Array, ws: Sequence[MatmulWeight | Fused | None]) -> list[jax.Array]:
+    """[linear(x, w) for w in ws] for weights as `weights.fuse_fields` stores them: a `Fused` weight stands for
+    itself and the None fields after it, and runs as one product whose output is split."""
+    out = []
+    for w in ws:
+        if isinstance(w, Fused):
+            y = linear(x, w.w)
+            out.extend(jnp.split(y, list(itertools.accumulate(w.sizes[:-1])), axis=-1))
+        elif w is not None:
+            out.append(linear(x, w))
+    if len(out) != len(ws):
+        raise ValueError(f"{len(ws)} projections expected, the weights hold {len(out)}")
+    return out
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """x / sqrt(mean(x^2) + eps) * w over the last axis (GGUF norm weights already hold HF's +1)."""
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
@@ -150,10 +167,11 @@ def paged_attention(
     B, T, _ = x.shape
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     page_size = k_pages.shape[1]
-    qg = linear(x, w.q, w.q_bias).reshape(B, T, H, 2 * D)
+    qg, k, v = (y if b is None else y + b for y, b in zip(project(x, (w.q, w.k, w.v)), (w.q_bias, w.k_bias, w.v_bias)))
+    qg = qg.reshape(B, T, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:]
-    k = linear(x, w.k, w.k_bias).reshape(B, T, Hkv, D)
-    v = linear(x, w.v, w.v_bias).reshape(B, T, Hkv, D)
+    k = k.reshape(B, T, Hkv, D)
+    v = v.reshape(B, T, Hkv, D)
     q = rope(rms_norm(q, w.q_norm, cfg.norm_eps), positions, cfg)
     k = rope(rms_norm(k, w.k_norm, cfg.norm_eps), positions, cfg)
 
@@ -170,4 +188,5 @@ def paged_attention(
 
 def dense_ffn(w: DenseFfn, x: jax.Array) -> jax.Array:
     """SwiGLU: (silu(x Wg) * x Wu) Wd. x [..., E] -> [..., E]."""
-    return linear(jax.nn.silu(linear(x, w.gate)) * linear(x, w.up), w.down)
+    gate, up = project(x, (w.gate, w.up))
+    return linear(jax.nn.silu(gate) * up, w.down)

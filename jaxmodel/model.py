@@ -25,7 +25,7 @@ from .precision import cast_matmul_weights, default_weight_dtype, transpose_matm
 from .state import (
     ModelState, Row, StepBatch, StepOutput, bucket, bytes_per_plane, init_state, pack_batch, scatter_planes,
 )  # fmt: skip
-from .weights import Layer, Mtp, Weights, first_columns, pytree
+from .weights import Layer, Mtp, Weights, first_columns, fuse_projections, pytree
 
 
 @pytree
@@ -202,7 +202,7 @@ class Model:
 
 
 def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False,
-               weight_dtype: str | None = None, cpu_kernel: bool = True) -> Model:
+               weight_dtype: str | None = None, cpu_kernel: bool = True, fuse: bool = True) -> Model:
     """Load a qwen35 / qwen35moe / qwen3next GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, dequantised to
     float32, except Q8_0 matmul weights on CPU: see cpu_kernel).
 
@@ -212,7 +212,8 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     cpu_kernel: on CPU, where the kernels build (`jaxmodel.kernels.cpu_matmul`), keep Q8_0 matmul weights as the
     file's blocks for the Q8_0 product (`weights.Q8Rows`; with float32 weights) and store the large float32 ones
     for the few-row kernel (`precision.transpose_matmul_weights`); False dequantizes everything to float32 and
-    keeps XLA's products (benchmarks compare both).
+    keeps XLA's products (benchmarks compare both). fuse: store the products that share an input as one where
+    their forms match (`weights.fuse_projections`; results are unchanged).
     """
     weight_dtype = weight_dtype or default_weight_dtype()
     use_kernels = cpu_kernel and cpu_matmul.available()
@@ -224,6 +225,8 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     weights = cast_matmul_weights(weights, weight_dtype)
     if use_kernels:
         weights = transpose_matmul_weights(weights)
+    if fuse:
+        weights = fuse_projections(weights)
     model = Model(cfg, weights, path=str(path))
     del weights
     release_freed_memory()

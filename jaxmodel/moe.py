@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .layers import as_matmul_input, dense_ffn, linear, matmul_precision
+from .layers import as_matmul_input, dense_ffn, linear, matmul_precision, project
 from .weights import DenseFfn, MoeFfn
 
 GATHER_MAX_TOKENS = 4  # steps with at most this many tokens read each pair's expert on its own
@@ -35,7 +35,8 @@ def route(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Arr
 
 def shared_expert(w: MoeFfn, x: jax.Array) -> jax.Array:
     """x [..., E] -> [..., E]."""
-    shared = linear(jax.nn.silu(linear(x, w.shared_gate)) * linear(x, w.shared_up), w.shared_down)
+    shared_gate, shared_up = project(x, (w.shared_gate, w.shared_up))
+    shared = linear(jax.nn.silu(shared_gate) * shared_up, w.shared_down)
     return jax.nn.sigmoid(jnp.sum(x * w.shared_router, axis=-1, keepdims=True)) * shared
 
 

@@ -82,13 +82,13 @@ def greedy_pick(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return token, prob
 
 
-def _single_token_batch(tokens, positions, live, page_table, logits: bool = True) -> StepBatch:
-    """[B] tokens at [B] positions, rows with live False are padding; logits False: none computed."""
+def _single_token_batch(tokens, positions, live, page_table) -> StepBatch:
+    """[B] tokens at [B] positions with their logits, rows with live False are padding."""
     B = tokens.shape[0]
     return StepBatch(
         tokens=tokens[:, None], positions=positions[:, None], n_tokens=live.astype(jnp.int32),
         page_table=page_table, read_plane=jnp.zeros((B,), jnp.int32), write_planes=jnp.full((B, 1), -1, jnp.int32),
-        logit_rows=jnp.zeros((B, 1 if logits else 0), jnp.int32),
+        logit_rows=jnp.zeros((B, 1), jnp.int32),
     )  # fmt: skip
 
 
@@ -97,7 +97,8 @@ def mtp_catch_up_and_chain(
     n_kept: jax.Array, bonus: jax.Array, has_bonus: jax.Array, chain: ChainInputs, state: ModelState, n_max: int,
     vocab: int | None = None,
 ) -> tuple[jax.Array, jax.Array, ModelState]:
-    """The MTP catch-up over each row's committed tokens, then a greedy chain of up to chain.n_chain drafts.
+    """The MTP catch-up over each row's committed tokens (and the bonus, where the row chains: one MTP pass over
+    T + 1 tokens), then a greedy chain of up to chain.n_chain drafts.
 
     batch: the target step's batch [B, T]; hidden [B, T, E] its post-norm hidden; hidden_before [B, E] = h_{s-1};
     n_kept [B]: leading fed tokens committed; bonus [B]: the token committed after them (valid where has_bonus).
@@ -105,29 +106,30 @@ def mtp_catch_up_and_chain(
     """
     B, T = batch.tokens.shape
     on = chain.n_chain >= 0
+    chaining = on & has_bonus & (chain.n_chain >= 1)
     start = batch.positions[:, :1]
+    # The catch-up feeds each row's kept tokens and, where it chains, the bonus after them (at index n_kept, over a
+    # rejected draft if any): the bonus's input hidden h_{m-1} is hidden[n_kept - 1], the same shift as the others'.
+    index = jnp.arange(T + 1)[None, :]
+    tokens = jnp.concatenate([batch.tokens, jnp.zeros((B, 1), batch.tokens.dtype)], axis=1)
+    tokens = jnp.where((index == n_kept[:, None]) & chaining[:, None], bonus[:, None], tokens)  # [B, T+1]
     catch_up = StepBatch(
-        tokens=batch.tokens, positions=start + jnp.arange(T)[None, :], n_tokens=jnp.where(on, n_kept, 0),
+        tokens=tokens, positions=start + index, n_tokens=jnp.where(on, n_kept + chaining.astype(jnp.int32), 0),
         page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
-        write_planes=jnp.full((B, T), -1, jnp.int32),
+        write_planes=jnp.full((B, T + 1), -1, jnp.int32),
         logit_rows=jnp.zeros((B, 0), jnp.int32),  # no logits here: the chain computes the ones it needs
     )  # fmt: skip
-    hidden_in = jnp.concatenate([hidden_before[:, None], hidden[:, : T - 1]], axis=1)  # [B, T, E]
-    _, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
-    chaining = on & has_bonus & (chain.n_chain >= 1)
+    hidden_in = jnp.concatenate([hidden_before[:, None], hidden], axis=1)  # [B, T+1, E]
+    out, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
     bonus_position = start[:, 0] + n_kept
-
-    def bonus_and_chain(state):
-        hidden_at_kept = jnp.take_along_axis(hidden, jnp.maximum(n_kept - 1, 0)[:, None, None], axis=1)  # [B, 1, E]
-        step = _single_token_batch(bonus, bonus_position, chaining, batch.page_table, logits=False)
-        out, state = mtp_forward(weights, cfg, step, hidden_at_kept, state, vocab)
-        return _chain(weights, cfg, batch.page_table, out.hidden[:, 0], bonus_position, chaining, chain, state,
-                      n_max, vocab)  # fmt: skip
+    own_hidden = jnp.take_along_axis(out.hidden, n_kept[:, None, None], axis=1)[:, 0]  # [B, E] the MTP's at the bonus
 
     # Rows that only catch up (the policy is not drafting with the head now) skip the bonus and the chain: the
     # next step feeds the bonus first and writes its KV then.
     return jax.lax.cond(
-        jnp.any(chaining), bonus_and_chain,
+        jnp.any(chaining),
+        lambda state: _chain(weights, cfg, batch.page_table, own_hidden, bonus_position, chaining, chain, state,
+                             n_max, vocab),
         lambda state: (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), state), state,
     )  # fmt: skip
 
