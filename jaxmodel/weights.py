@@ -96,7 +96,8 @@ def fuse(ws: Sequence[MatmulWeight]) -> Fused:
     """Weights of one form (`_form`) over the same input as one `Fused` weight."""
     first = ws[0]
     if isinstance(first, Q8Rows):
-        w = Q8Rows(np.concatenate([np.asarray(x.quants) for x in ws]), np.concatenate([np.asarray(x.scales) for x in ws]))
+        w = Q8Rows(np.concatenate([np.asarray(x.quants) for x in ws]),
+                   np.concatenate([np.asarray(x.scales) for x in ws]))
     elif isinstance(first, Transposed):
         w = Transposed(np.concatenate([np.asarray(x.t) for x in ws]))
     else:
