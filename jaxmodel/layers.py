@@ -109,9 +109,10 @@ def linear(x: jax.Array, w: MatmulWeight, bias: jax.Array | None = None) -> jax.
     return y if bias is None else y + bias
 
 
-def project(x: jax.Array, ws: Sequence[MatmulWeight | Fused | None]) -> list[jax.Array]:
-    """[linear(x, w) for w in ws] for weights as `weights.fuse_fields` stores them: a `Fused` weight stands for
-    itself and the None fields after it, and runs as one product whose output is split."""
+def project(x: jax.Array, ws: Sequence[MatmulWeight | Fused | None],
+            biases: Sequence[jax.Array | None] | None = None) -> list[jax.Array]:
+    """[linear(x, w, b) for w, b in zip(ws, biases)] for weights as `weights.fuse_fields` stores them: a `Fused`
+    weight stands for itself and the None fields after it, and runs as one product whose output is split."""
     out = []
     for w in ws:
         if isinstance(w, Fused):
@@ -121,7 +122,7 @@ def project(x: jax.Array, ws: Sequence[MatmulWeight | Fused | None]) -> list[jax
             out.append(linear(x, w))
     if len(out) != len(ws):
         raise ValueError(f"{len(ws)} projections expected, the weights hold {len(out)}")
-    return out
+    return [y if b is None else y + b for y, b in zip(out, biases or [None] * len(out), strict=True)]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -167,7 +168,7 @@ def paged_attention(
     B, T, _ = x.shape
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     page_size = k_pages.shape[1]
-    qg, k, v = (y if b is None else y + b for y, b in zip(project(x, (w.q, w.k, w.v)), (w.q_bias, w.k_bias, w.v_bias)))
+    qg, k, v = project(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
     qg = qg.reshape(B, T, H, 2 * D)
     q, gate = qg[..., :D], qg[..., D:]
     k = k.reshape(B, T, Hkv, D)

@@ -213,7 +213,7 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     file's blocks for the Q8_0 product (`weights.Q8Rows`; with float32 weights) and store the large float32 ones
     for the few-row kernel (`precision.transpose_matmul_weights`); False dequantizes everything to float32 and
     keeps XLA's products (benchmarks compare both). fuse: store the products that share an input as one where
-    their forms match (`weights.fuse_projections`; results are unchanged).
+    their forms match (`weights.fuse_projections`; through the CPU kernels results are unchanged).
     """
     weight_dtype = weight_dtype or default_weight_dtype()
     use_kernels = cpu_kernel and cpu_matmul.available()
