@@ -56,12 +56,13 @@ EMPTY_DRAFT = Draft(tokens=[])
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the engine needs from a drafter. The last three methods are hooks with no-op defaults (a drafter class
+    """What the engine needs from a drafter. The last four methods are hooks with no-op defaults (a drafter class
     that subclasses `Drafter` inherits them), so the engine drives every drafter alike and names none:
 
     - `warmup` compiles the drafter's device calls before serving;
     - `device_chain` lets a drafter whose model is part of the target (the MTP head) have the target's step
       compute the next step's drafts on device, where the hidden states already are;
+    - `device_lookup` lets an n-gram drafter's lookup run on device too, between iterations of one call;
     - `after_step` hands each drafter of a sequence the target step's result for it (committed tokens, and the
       drafts chained on device).
     """
@@ -90,6 +91,12 @@ class Drafter(Protocol):
         step, given that the policy may ask for up to n_next: -1 for none (host-side drafters), 0 for a catch-up
         only (the head must see every committed token)."""
         return -1
+
+    def device_lookup(self) -> tuple[int, int] | None:
+        """(min_n, max_n) when the drafter's proposal is the n-gram lookup (`drafters.ngram.ngram_draft`), which the
+        target's device call then runs itself between the iterations it makes without the host
+        (`jaxmodel.ngram_lookup`); None: the drafter proposes on the host only."""
+        return None
 
     def after_step(self, seq_id: SeqId, n_tokens: int, result: RowResult) -> None:
         """The target step committed `result.committed` for the sequence, which now holds n_tokens tokens;

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, SeqId
+from jaxmodel.ngram_lookup import LOOKUP_MAX_N
 
 
 def ngram_draft(tokens: Sequence[int], n_max: int, min_n: int = 2, max_n: int = 8) -> list[int]:
@@ -106,6 +107,10 @@ class NgramDrafter(Drafter):
             tokens = index.draft(request.tokens, request.n_max)
             drafts.append(Draft(tokens=tokens) if tokens else EMPTY_DRAFT)
         return drafts
+
+    def device_lookup(self) -> tuple[int, int] | None:
+        """The same lookup runs on device for patterns of up to `LOOKUP_MAX_N` tokens."""
+        return (self.min_n, self.max_n) if self.max_n <= LOOKUP_MAX_N else None
 
     def observe(self, seq_id: SeqId, accepted: int, committed_tokens: Sequence[int]) -> None:
         """Nothing to learn: the next `propose` indexes the committed tokens from its request."""

@@ -35,9 +35,10 @@ priced by, and MTP did not draft at 16 streams, where a fixed draft of 3 decoded
 
 Calls of one iteration. The engine runs several iterations per device call while the host has nothing to decide,
 so a call's fixed cost (dispatch, read-back) is spread over its iterations; a draft proposed on the host
-(`host_drafters`, the n-gram lookup) needs the host between iterations, so its steps run one iteration per call.
+(`host_drafters`: the draft model) needs the host between iterations, so its steps run one iteration per call.
 Calls of one iteration are fitted on a line of their own (`Costs.single`), which prices host drafters; no drafting
-and the drafters that chain on device are priced per iteration of looping calls. Measured on an H100: 0.6 ms per
+and the drafters that draft on device (the MTP head's chain, the n-gram lookup) are priced per iteration of looping
+calls. Measured on an H100: 0.6 ms per
 iteration of a looping call against 2.5-2.8 ms for a call of one; on one shared line the n-gram drafter was
 undercharged and chosen at 0.82x plain, and MTP overcharged.
 

@@ -22,6 +22,7 @@ from .config import ModelConfig
 from .delta_rule import CPU_CHUNKED_MIN_TOKENS
 from .host_io import PackedCall
 from .model import Model, rebuild
+from .ngram_lookup import LOOKUP_MAX_N
 from .sampling import SamplingParams
 from .speculative import (ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain, rebuild_pass_rows,
                           speculative_step)
@@ -44,13 +45,17 @@ class RowLoop:
     feeds the bonus token and up to n_draft MTP drafts, writing into `planes` (the row's read plane first, then
     its write planes in order) minus the live one; at most `budget` tokens are committed in all. replay: the
     iterations roll back by replay (two planes; n_draft at most the runtime's replay pool), else by snapshot;
-    optimistic: they replay optimistically (see `StepRow`)."""
+    optimistic: they replay optimistically (see `StepRow`). lookup: the drafts come from an n-gram lookup on
+    device over the row's last `LOOKUP_HISTORY` tokens and what the call commits (`jaxmodel.ngram_lookup`), at most
+    the runtime's lookup_drafts of them, instead of the MTP head."""
 
     n_draft: int
     planes: Sequence[int]
     budget: int
     replay: bool = False
     optimistic: bool = False
+    lookup: tuple[int, int] | None = None  # (min_n, max_n): the drafts come from an n-gram lookup over `history`
+    history: Sequence[int] = ()  # the row's tokens up to `last` (only with `lookup`)
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,8 @@ class StepRow:
 
 @dataclass(frozen=True)
 class Iteration:
-    """A later iteration of a looping row: the drafts it fed and what it committed."""
+    """A later iteration of a looping row: the drafts it fed (the rejected ones as -1: the call returns only what
+    was committed) and what it committed."""
 
     drafts: list[int]
     n_accepted: int
@@ -150,6 +156,9 @@ class Shapes:
 
 # Steps of up to this many tokens per row (decode and verify steps) may run several iterations per call.
 LOOP_MAX_TOKENS = 16
+# The n-gram lookup on device searches this many of a row's latest tokens (plus what the call commits); the host's
+# n-gram drafter searches the whole sequence, so only longer sequences may draft differently (never output).
+LOOKUP_HISTORY = 512
 
 # On CPU the replay rebuild goes one row per pass where a row's GDN state is at least this large: moving the
 # states through memory then dominates, so a pass costs about what its rows do (the 0.8B shape, 19.3 MB a row:
@@ -164,7 +173,8 @@ def _compiled(cfg: ModelConfig):
     """The jitted step, chain and replay rebuild (timed alone by `calibrate`) of a config, shared by every runtime
     of it (so their compilations are too)."""
     step = PackedCall(functools.partial(speculative_step, cfg=cfg),
-                      static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab", "rebuild_rows"))
+                      static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab", "rebuild_rows",
+                                       "lookup_width"))
 
     def chain(weights, state, **inputs):
         drafts, n_drafted, state = draft_chain(weights, cfg, state=state, **inputs)
@@ -206,13 +216,16 @@ class Runtime:
     (the replay pool holds that many tokens for each of `replay_slots` rows, by default `shapes.max_rows`; 0: no
     replay pool, and no rebuild compiled). rebuild_rows: rows per pass of the replay rebuild (0: all rows of a
     step in one pass; see `jaxmodel.speculative.replay_rebuild`). By default one on CPU where a row's state is
-    large (`PER_ROW_REBUILD_MIN_BYTES`), and all elsewhere.
+    large (`PER_ROW_REBUILD_MIN_BYTES`), and all elsewhere. lookup_drafts: the most drafts a row drafting by n-gram
+    lookup on device (`RowLoop.lookup`) feeds per later iteration; 0: no row does, and no lookup compiles. Calls
+    with such rows compile apart, for first iterations of up to `lookup_width` tokens: their later iterations run at
+    lookup_width tokens where some row feeds drafts and at one token where none does.
     """
 
     def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,
                  shapes: Shapes | None = None, n_chain_max: int = 0, max_iterations: int = 1,
                  stop_ids: Sequence[int] = (), draft_vocab: int | None = None, replay_tokens: int = 0,
-                 replay_slots: int | None = None, rebuild_rows: int | None = None):
+                 replay_slots: int | None = None, rebuild_rows: int | None = None, lookup_drafts: int = 0):
         self.model = model
         self.page_size = page_size
         self.shapes = shapes
@@ -233,6 +246,9 @@ class Runtime:
             per_row = jax.default_backend() == "cpu" and bytes_per_plane(model.cfg) >= PER_ROW_REBUILD_MIN_BYTES
             rebuild_rows = 1 if per_row else 0
         self.rebuild_rows = rebuild_rows
+        self.lookup_drafts = lookup_drafts
+        width = 1 + lookup_drafts
+        self.lookup_width = (shapes.tokens(width) if shapes is not None else width) if lookup_drafts else 0
         self._step, self._chain, self._rebuild = _compiled(model.cfg)
         self.chain_seconds: dict[int, float] = {}  # batch bucket -> seconds per chained draft (see calibrate)
         self.rebuild_seconds: dict[int, float] = {}  # batch bucket -> seconds one pass of the replay rebuild takes
@@ -290,12 +306,16 @@ class Runtime:
         B, T = batch.tokens.shape
         verify_in, chain = self._step_inputs(rows, B, batch.logit_rows.shape[1])
         max_iterations = self.loops(T, final_only)
-        loop = self._loop_inputs(rows, B, min(iterations, max_iterations)) if max_iterations > 1 else None
+        # Lookup rows loop only in calls whose first iteration fits the lookup shapes; elsewhere they run one.
+        lookup = (max_iterations > 1 and T <= self.lookup_width
+                  and any(r.loop is not None and r.loop.lookup for r in rows))  # fmt: skip
+        loop = self._loop_inputs(rows, B, min(iterations, max_iterations), lookup) if max_iterations > 1 else None
         inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop,
-                      replay=self._replay_inputs(rows, B, T, final_only))
+                      replay=self._replay_inputs(rows, B, T, final_only, lookup))
         (out, more), self.state = self._step(
             self.model.weights, self.state, inputs, final_only=final_only, n_max=self.mtp_chain_max,
             max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
+            lookup_width=self.lookup_width if lookup else 0,
         )  # fmt: skip
         n_accepted, tokens, drafts, n_drafted = out.n_accepted, out.tokens, out.drafts, out.n_drafted
         results = []
@@ -308,15 +328,17 @@ class Runtime:
             if more is not None:
                 for j in np.nonzero(more.ran[:, b])[0]:
                     a_j, d_j = int(more.n_accepted[j, b]), int(more.n_drafts[j, b])
-                    later.append(Iteration(more.tokens[j, b, 1 : 1 + d_j].tolist(), a_j,
-                                           more.tokens[j, b, : a_j + 1].tolist()))  # fmt: skip
+                    committed = more.tokens[j, b, : a_j + 1].tolist()
+                    later.append(Iteration(committed[:a_j] + [-1] * (d_j - a_j), a_j, committed))
             results.append(RowResult(a, tokens[b, : a + 1].tolist(), drafts[b, : n_drafted[b]].tolist(), later))
         return results
 
-    def _replay_inputs(self, rows: Sequence[StepRow], B: int, T: int, final_only: bool) -> ReplayInputs | None:
+    def _replay_inputs(self, rows: Sequence[StepRow], B: int, T: int, final_only: bool,
+                       lookup: bool = False) -> ReplayInputs | None:
         """The replay rows' planes. None where no row can replay, so that no rebuild compiles there: without a
-        replay pool, and in shapes that carry no draft (one token per row, prefill-only steps)."""
-        if not self.replay_tokens or T == 1 or final_only:
+        replay pool, and in shapes that carry no draft (one token per row, prefill-only steps), unless a lookup
+        call's later iterations carry drafts."""
+        if not self.replay_tokens or (T == 1 and not lookup) or final_only:
             if any(r.replay for r in rows):
                 raise ValueError("a replay row needs a runtime with a replay pool and a step shape with drafts")
             return None
@@ -333,22 +355,37 @@ class Runtime:
                 optimistic[b] = r.optimistic
         return ReplayInputs(plane, optimistic)
 
-    def _loop_inputs(self, rows: Sequence[StepRow], B: int, iterations: int) -> LoopInputs:
-        width = self.mtp_chain_max + 2
+    def _loop_inputs(self, rows: Sequence[StepRow], B: int, iterations: int, lookup: bool = False) -> LoopInputs:
+        """The loop's inputs. lookup: the call runs the n-gram lookup; without it, rows drafting by lookup run
+        one iteration."""
+        width = max(self.mtp_chain_max + 2, self.lookup_width + 1)
         loops, replay, optimistic = np.zeros((B,), bool), np.zeros((B,), bool), np.zeros((B,), bool)
         n_draft, budget, capacity = np.zeros((B,), np.int32), np.zeros((B,), np.int32), np.zeros((B,), np.int32)
         planes = np.full((B, width), -1, np.int32)
+        lookup_min, lookup_max = np.zeros((B,), np.int32), np.zeros((B,), np.int32)
+        H = LOOKUP_HISTORY + LOOP_MAX_TOKENS + self.max_iterations * self.lookup_width if lookup else 1
+        history, history_len = np.zeros((B, H), np.int32), np.zeros((B,), np.int32)
         for b, r in enumerate(rows):
-            if r.loop is not None:
-                if r.loop.replay and (b >= self.replay_slots or r.loop.n_draft > self.replay_tokens):
-                    raise ValueError(f"row {b}: replay iterations need a replay slot and at most "
-                                     f"{self.replay_tokens} drafts")  # fmt: skip
-                loops[b], replay[b], optimistic[b] = True, r.loop.replay, r.loop.optimistic
-                n_draft[b], budget[b] = r.loop.n_draft, r.loop.budget
-                planes[b, : len(r.loop.planes)] = r.loop.planes[:width]
+            if r.loop is None or (r.loop.lookup and not lookup):
+                capacity[b] = len(r.row.pages) * self.page_size
+                continue
+            if r.loop.replay and (b >= self.replay_slots or r.loop.n_draft > self.replay_tokens):
+                raise ValueError(f"row {b}: replay iterations need a replay slot and at most "
+                                 f"{self.replay_tokens} drafts")  # fmt: skip
+            loops[b], replay[b], optimistic[b] = True, r.loop.replay, r.loop.optimistic
+            n_draft[b], budget[b] = r.loop.n_draft, r.loop.budget
+            planes[b, : len(r.loop.planes)] = r.loop.planes[:width]
             capacity[b] = len(r.row.pages) * self.page_size
+            if r.loop.lookup:
+                min_n, max_n = r.loop.lookup
+                if not 1 <= min_n <= max_n <= LOOKUP_MAX_N or r.loop.n_draft > self.lookup_drafts:
+                    raise ValueError(f"row {b}: a lookup needs 1 <= min_n <= max_n <= {LOOKUP_MAX_N} and at most "
+                                     f"{self.lookup_drafts} drafts, got {r.loop.lookup} and {r.loop.n_draft}")
+                lookup_min[b], lookup_max[b] = min_n, max_n
+                tail = np.asarray(r.loop.history[-LOOKUP_HISTORY:], np.int32)
+                history[b, : len(tail)], history_len[b] = tail, len(tail)
         return LoopInputs(loops, replay, optimistic, n_draft, planes, budget, capacity, self.stop_ids,
-                          np.int32(iterations))
+                          np.int32(iterations), lookup_min, lookup_max, history, history_len)
 
     @staticmethod
     def _step_inputs(rows: Sequence[StepRow], B: int, R: int) -> tuple[VerifyInputs, ChainInputs]:
@@ -402,14 +439,16 @@ class Runtime:
             batch = pack_batch([], B=B, T=T, P=self.shapes.pages_per_row, R=R)
             verify_in, chain = self._step_inputs([], B, R)
             max_iterations = self.loops(T, final_only)
-            loop = self._loop_inputs([], B, 1) if max_iterations > 1 else None
-            inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop,
-                          replay=self._replay_inputs([], B, T, final_only))
-            self.state = self._step(
-                self.model.weights, self.state, inputs, final_only=final_only, n_max=self.mtp_chain_max,
-                max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
-            )[1]  # fmt: skip
-            yield B, T
+            for lookup in (False, True) if max_iterations > 1 and T <= self.lookup_width else (False,):
+                loop = self._loop_inputs([], B, 1, lookup) if max_iterations > 1 else None
+                inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop,
+                              replay=self._replay_inputs([], B, T, final_only, lookup))
+                self.state = self._step(
+                    self.model.weights, self.state, inputs, final_only=final_only, n_max=self.mtp_chain_max,
+                    max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
+                    lookup_width=self.lookup_width if lookup else 0,
+                )[1]  # fmt: skip
+                yield B, T
 
     def calibrate(self, repeats: int = 5, spare_planes: Sequence[int] = ()) -> Calibration:
         """Time warm steps of every batch bucket B on rows that feed the trash page from the null plane and write

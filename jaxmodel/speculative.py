@@ -18,6 +18,7 @@ entry for a committed position.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .layers import linear
 from .model import Record, forward, mtp_forward, rebuild
+from .ngram_lookup import append_tokens, ngram_lookup
 from .sampling import SamplingParams, verify
 from .state import ModelState, StepBatch, read_planes
 from .weights import Weights, first_columns, pytree
@@ -259,7 +261,9 @@ def replay_rebuild(
 class LoopInputs:
     """Rows that may run further iterations in the same call, without the host in between (all [B] unless noted).
 
-    A looping row feeds its bonus token and up to n_draft of the MTP head's drafts per iteration. In snapshot mode
+    A looping row feeds its bonus token and up to n_draft drafts per iteration: the MTP head's, or where lookup_min > 0
+    the n-gram lookup's over its history (`jaxmodel.ngram_lookup`), which grows by each iteration's committed tokens.
+    In snapshot mode
     it reads its live plane and writes the state after each fed token into `planes` minus the live one, in order;
     after a accepted drafts the a-th of those becomes live. A `replay` row owns two planes: it writes the state
     after the bonus (after its last draft when `optimistic`) into the other one, records GDN inputs in its replay
@@ -276,6 +280,10 @@ class LoopInputs:
     capacity: jax.Array  # [B] int32, positions its KV pages cover
     stop_ids: jax.Array  # [S] int32, end-of-generation ids (-1 padding)
     n_iterations: jax.Array  # [] int32, iterations in all, the step's own included (at most the static maximum)
+    lookup_min: jax.Array  # [B] int32, shortest n-gram of a row drafting by lookup; 0: it drafts with the MTP head
+    lookup_max: jax.Array  # [B] int32, longest n-gram (at most ngram_lookup.LOOKUP_MAX_N)
+    history: jax.Array  # [B, H] int32, the row's last tokens up to `last`, oldest first (H = 1 without lookup)
+    history_len: jax.Array  # [B] int32
 
 
 @pytree
@@ -307,15 +315,39 @@ def _stops(tokens: jax.Array, n_committed: jax.Array, stop_ids: jax.Array) -> ja
     return jnp.any(committed & jnp.any(tokens[..., None] == stop_ids, axis=-1), axis=1)
 
 
+def _either(pred: jax.Array, if_true, if_false, state: ModelState):
+    """`lax.cond(pred, if_true, if_false, state)` for functions returning (small outputs, state), as two loops of
+    at most one trip each: XLA's CPU runtime copies the buffers a conditional carries (the whole pools, tens of
+    milliseconds a step at a server's sizes), while a loop updates its carry in place."""
+    shapes = jax.eval_shape(if_true, state)[0]
+    out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def once(fn, run):
+        def body(carry):
+            _, _, state = carry
+            return (jnp.bool_(True),) + fn(state)
+
+        return lambda out, state: jax.lax.while_loop(lambda carry: run & ~carry[0], body,
+                                                     (jnp.bool_(False), out, state))[1:]
+
+    out, state = once(if_true, pred)(out, state)
+    return once(if_false, ~pred)(out, state)
+
+
 def speculative_step(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
     chain: ChainInputs, loop: LoopInputs | None = None, replay: ReplayInputs | None = None, *,
     final_only: bool = False, n_max: int = 0, max_iterations: int = 1, draft_vocab: int | None = None,
-    rebuild_rows: int = 0,
+    rebuild_rows: int = 0, lookup_width: int = 0,
 ) -> tuple[tuple[SpeculativeOutput, LoopOutput | None], ModelState]:
     """One engine step in one call: `iteration` over the batch, then, for the rows `loop` lets continue, up to
-    loop.n_iterations - 1 more iterations (each feeding the bonus token and the MTP drafts of the one before),
-    stopping a row at an end-of-generation id, its token budget or the end of its pages.
+    loop.n_iterations - 1 more iterations (each feeding the bonus token and the drafts of the MTP head or the n-gram
+    lookup), stopping a row at an end-of-generation id, its token budget or the end of its pages.
+
+    lookup_width: 0, or the tokens of a later iteration when some row drafts by lookup (its drafts then come from
+    its history, and a row may start drafting after a plain first iteration). Such a call runs each later iteration
+    at lookup_width tokens where some row feeds drafts and at one token where none does (a row without a match
+    costs what plain decoding does).
 
     replay: rows in replay rollback in the first iteration (None: no row of this step shape can replay, and no
     later iteration replays either); rebuild_rows: rows per pass of their rebuild (`replay_rebuild`).
@@ -328,7 +360,7 @@ def speculative_step(
     if loop is None or max_iterations <= 1:
         return (first, None), state
     B, T = batch.tokens.shape
-    W = min(T, 1 + n_max)  # tokens per later iteration: a plain decoding step (T = 1) stays plain
+    W = max(min(T, 1 + n_max), lookup_width)  # tokens per later iteration: a plain decoding step stays plain
     K = max_iterations - 1
     n_committed = first.n_accepted + 1
     start = batch.positions[:, 0] + batch.n_tokens - verify_in.n_drafts + first.n_accepted  # the bonus's position
@@ -340,7 +372,12 @@ def speculative_step(
                         tokens=jnp.zeros((K, B, W), jnp.int32), n_drafts=jnp.zeros((K, B), jnp.int32))
     # The carried drafts keep the chain's full width: a later iteration feeds W - 1 of them, and the last
     # iteration's all go back to the host, so that a plain decoding loop (W = 1) still hands the next call drafts.
-    carry = (1, active, live, start, bonus, first.drafts, first.n_drafted, n_committed, record, state)
+    history, history_len = loop.history, loop.history_len
+    if lookup_width:
+        history, history_len = append_tokens(history, history_len, first.tokens,
+                                             jnp.where(verify_in.commits, n_committed, 0))
+    carry = (1, active, live, start, bonus, first.drafts, first.n_drafted, n_committed, history, history_len,
+             record, state)
     index = jnp.arange(W)[None, :]
 
     def more(carry):
@@ -348,9 +385,16 @@ def speculative_step(
         return (j < jnp.minimum(loop.n_iterations, max_iterations)) & jnp.any(active)
 
     def body(carry):
-        j, active, live, start, bonus, drafts, n_drafted, n_committed, record, state = carry
-        n_fed = jnp.where(active, jnp.minimum(jnp.minimum(loop.n_draft, n_drafted), W - 1), 0)  # drafts fed
-        tokens = jnp.concatenate([bonus[:, None], drafts[:, : W - 1]], axis=1)
+        j, active, live, start, bonus, drafts, n_drafted, n_committed, history, history_len, record, state = carry
+        offered, n_offered = drafts[:, : W - 1], n_drafted  # the MTP head's
+        if lookup_width:
+            found, n_found = ngram_lookup(history, history_len, loop.lookup_min, loop.lookup_max, W - 1)
+            offered = jnp.pad(offered, ((0, 0), (0, W - 1 - offered.shape[1])))
+            looking = loop.lookup_min > 0
+            offered = jnp.where(looking[:, None], found, offered)
+            n_offered = jnp.where(looking, n_found, n_offered)
+        n_fed = jnp.where(active, jnp.minimum(jnp.minimum(loop.n_draft, n_offered), W - 1), 0)  # drafts fed
+        tokens = jnp.concatenate([bonus[:, None], offered], axis=1)
         tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, W]
         write_pool = _next_write_planes(loop.planes, live)[:, :W]
         writes = jnp.where(active[:, None] & (index <= n_fed[:, None]), write_pool, -1)
@@ -366,8 +410,20 @@ def speculative_step(
         replaying = active & loop.replay & (n_fed > 0)
         replay_j = None if replay is None else ReplayInputs(jnp.where(replaying, write_pool[:, 0], -1),
                                                              replaying & loop.optimistic)  # fmt: skip
-        out, state = iteration(weights, cfg, step, state, verify_j, chain_j, replay_j, n_max=n_max,
-                               draft_vocab=draft_vocab, rebuild_rows=rebuild_rows)  # fmt: skip
+        run = functools.partial(iteration, weights, cfg, chain=chain_j, n_max=n_max, draft_vocab=draft_vocab,
+                                rebuild_rows=rebuild_rows)
+        if lookup_width:
+            def one_token(state):  # no row feeds a draft: the iteration at one token, its tokens padded to W
+                single = dataclasses.replace(step, tokens=tokens[:, :1], positions=step.positions[:, :1],
+                                             write_planes=writes[:, :1], logit_rows=step.logit_rows[:, :1])
+                verify_1 = VerifyInputs(tokens[:, 1:1], n_fed, start + 1, active, verify_in.sampling)
+                out, state = run(single, state, verify_1)
+                return dataclasses.replace(out, tokens=jnp.pad(out.tokens, ((0, 0), (0, W - 1)), constant_values=-1)), state
+
+            out, state = _either(jnp.any(n_fed > 0), lambda state: run(step, state, verify_j, replay=replay_j),
+                                 one_token, state)
+        else:
+            out, state = run(step, state, verify_j, replay=replay_j)
         a = out.n_accepted
         record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
                             tokens=record.tokens.at[j - 1].set(out.tokens), n_drafts=record.n_drafts.at[j - 1].set(n_fed))
@@ -377,11 +433,13 @@ def speculative_step(
         drafts = jnp.where(active[:, None], out.drafts, drafts)
         n_drafted = jnp.where(active, out.n_drafted, n_drafted)
         n_committed = n_committed + jnp.where(active, a + 1, 0)
+        if lookup_width:
+            history, history_len = append_tokens(history, history_len, out.tokens, jnp.where(active, a + 1, 0))
         active = (active & ~_stops(out.tokens, a + 1, loop.stop_ids) & (n_committed < loop.budget)
                   & (start + loop.n_draft < loop.capacity))  # fmt: skip
-        return j + 1, active, live, start, bonus, drafts, n_drafted, n_committed, record, state
+        return j + 1, active, live, start, bonus, drafts, n_drafted, n_committed, history, history_len, record, state
 
-    _, _, _, _, _, drafts, n_drafted, _, record, state = jax.lax.while_loop(more, body, carry)
+    _, _, _, _, _, drafts, n_drafted, _, _, _, record, state = jax.lax.while_loop(more, body, carry)
     first = SpeculativeOutput(first.n_accepted, first.tokens, drafts, n_drafted)
     return (first, record), state
 

@@ -66,6 +66,9 @@ DEFAULT_ITERATIONS = 32
 # rows: a 16-row iteration of the bundled model takes about 3 ms on CPU, a one-row one of the 0.8B shape 60 ms.
 DEFAULT_MAX_CALL_SECONDS = 0.1
 DEFAULT_DRAFT_VOCAB = None
+# The most drafts an n-gram lookup feeds per iteration inside a device call (`Drafter.device_lookup`); its later
+# iterations are compiled at 1 + this many tokens (and at one, for iterations in which no row finds a match).
+LOOKUP_DRAFTS = 3
 
 
 class Engine:
@@ -122,6 +125,10 @@ class Engine:
         )
         self.model = model
         self.tokenizer = tokenizer
+        drafters = standard_drafters(model, draft_model, max_seqs=max_running, max_context=max_model_len,
+                                     n_max=n_max, page_size=page_size)  # fmt: skip
+        self.drafters: dict[str, Drafter] = {d.name: d for d in [*drafters, *extra_drafters]}
+        lookups = iterations > 1 and any(d.device_lookup() is not None for d in self.drafters.values())
         shapes = Shapes(
             max_rows=max_running,
             max_tokens=chunk_size + n_max,  # a row feeds at most a chunk, then its drafts
@@ -134,7 +141,7 @@ class Engine:
         self.runtime = Runtime(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size,
                                shapes=shapes, n_chain_max=n_max if model.has_mtp else 0, max_iterations=iterations,
                                stop_ids=self.stop_token_ids, draft_vocab=draft_vocab,
-                               replay_tokens=sizes.replay_tokens)  # fmt: skip
+                               replay_tokens=sizes.replay_tokens, lookup_drafts=LOOKUP_DRAFTS if lookups else 0)  # fmt: skip
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(
@@ -144,10 +151,8 @@ class Engine:
         if iterations > 1:
             self.scheduler.lookahead = iterations * (1 + n_max) + n_max
         self.policy = DrafterPolicy(policy_params or PolicyParams())
-        drafters = standard_drafters(model, draft_model, max_seqs=max_running, max_context=max_model_len,
-                                     n_max=n_max, page_size=page_size)  # fmt: skip
-        self.drafters: dict[str, Drafter] = {d.name: d for d in [*drafters, *extra_drafters]}
-        host_drafters = frozenset(name for name, d in self.drafters.items() if d.device_chain(None, 0) < 0)
+        host_drafters = frozenset(name for name, d in self.drafters.items()
+                                  if d.device_chain(None, 0) < 0 and not (lookups and d.device_lookup()))
         self.policy.params = replace(self.policy.params, loops=iterations > 1, host_drafters=host_drafters)
         self.n_max = n_max
         self.background_warmup = background_warmup
@@ -183,7 +188,8 @@ class Engine:
                 timing.scheduled = start
         plan = self._attach_drafts(plan, choices)
         iterations = self._iterations(len(plan.rows)) if quiet and not self.scheduler.n_waiting else 1
-        rows = [self._step_row(row, len(plan.rows), iterations > 1) for row in plan.rows]
+        rows = [self._step_row(row, len(plan.rows), iterations > 1, choices.get(row.seq_id, ()))
+                for row in plan.rows]
         start = time.perf_counter()
         results = self.runtime.step(rows, iterations)
         self._record_costs(plan, rows, results, time.perf_counter() - start)
@@ -195,7 +201,7 @@ class Engine:
             self._observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted, result.committed)
             n_tokens = row.start + len(row.fed) + len(result.committed)
             if result.more:
-                name = self._device_drafter(row)
+                name = self._loop_drafter(row, choices.get(row.seq_id, ()))[0]
                 continued[row.seq_id] = [Continued(tuple(it.drafts), Committed(tuple(it.committed), it.n_accepted),
                                                    name if it.drafts else None)
                                          for it in result.more]  # fmt: skip
@@ -287,11 +293,22 @@ class Engine:
         """The first of the row's drafters that drafts on device (the MTP head), if any."""
         return next((d.name for d in self._drafters_of(row) if d.device_chain(row.seq_id, 0) >= 0), None)
 
-    def _step_row(self, row: Row, batch_size: int, may_loop: bool) -> StepRow:
+    def _loop_drafter(self, row: Row, choices: Sequence[Choice]) -> tuple[str | None, tuple[int, int] | None]:
+        """Who drafts in the row's later iterations of a call: the policy's main choice where its lookup runs on
+        device (with its n-gram sizes), else the first of the row's drafters that chains on device (the MTP head),
+        if any."""
+        if choices and self.runtime.lookup_drafts:
+            lookup = self.drafters[choices[0].drafter].device_lookup()
+            if lookup is not None:
+                return choices[0].drafter, lookup
+        return self._device_drafter(row), None
+
+    def _step_row(self, row: Row, batch_size: int, may_loop: bool, choices: Sequence[Choice] = ()) -> StepRow:
         """The runtime's view of a plan row: its drafts, sampling, the drafts to chain on device for its next step
         (as long as the policy would plan for each drafter that chains on device), and whether it may run more
         iterations in the same call (a decoding row in plain, snapshot or replay mode, without stop strings, whose
-        drafts come from the device)."""
+        drafts come from the device: the MTP head's, or the n-gram lookup's where the policy chose it; `choices`
+        are the policy's for this step)."""
         request = self.scheduler.request(row.seq_id)
         config = request.speculative
         n_chain = -1
@@ -300,12 +317,17 @@ class Engine:
             n_chain = max(n_chain, drafter.device_chain(row.seq_id, min(n_next, self.n_max)))
         p_min = config.p_min if config else 0.0
         loop = None
-        device = self._device_drafter(row)
+        name, lookup = self._loop_drafter(row, choices)
         if (may_loop and row.needs_logits and len(row.fed) == 1 and row.mode in ("snapshot", "replay", None)
-                and row.drafter in (None, device) and not request.stop_strings):
-            n_draft = min(max(n_chain, 0), row.draft_max) if device is not None and row.mode is not None else 0
+                and row.drafter in (None, name) and not request.stop_strings):
+            if lookup is not None:
+                n_draft = min(choices[0].n_draft, row.draft_max, self.runtime.lookup_drafts)
+                lookup = lookup if n_draft > 0 else None
+            else:
+                n_draft = min(max(n_chain, 0), row.draft_max) if name is not None and row.mode is not None else 0
             loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id),
-                           replay=row.mode == "replay", optimistic=row.optimistic)  # fmt: skip
+                           replay=row.mode == "replay", optimistic=row.optimistic, lookup=lookup,
+                           history=self.scheduler.tokens(row.seq_id) if lookup else ())  # fmt: skip
         return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop,
                        replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic)
 

@@ -3,7 +3,10 @@ rollback mode, budget accounting, cancellation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import anyio
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +16,7 @@ from conftest import DATA, ENGINE, plain_greedy
 from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
+from jaxmodel.model import Model
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 
@@ -230,6 +234,43 @@ def test_a_bound_on_call_time_runs_fewer_iterations_per_call(target, prompts, re
     assert unbounded <= 1 + -(-(MAX_TOKENS - 1) // ITERATIONS)
     # the prefill step commits 1 token, the first decoding call up to ITERATIONS, each later call 1
     assert bounded >= 1 + 1 + (MAX_TOKENS - 1 - ITERATIONS) > unbounded
+
+
+@pytest.mark.parametrize("rollback", ["snapshot", "replay"])
+def test_ngram_lookup_drafts_inside_device_calls(target, prompts, rollback):
+    """With the output head zeroed every logit is 0 and greedy decoding emits token 0 forever, so once two zeros
+    are out the n-gram lookup always matches and every draft is right: one token, since the most recent occurrence
+    of the longest match ends one token before the newest. An `ngram` request beside a plain one then drafts by
+    lookup on device inside each call (2 tokens per iteration, rolling back in the mode asked for); both get plain
+    greedy's tokens."""
+    zeroed = Model(target.cfg, dataclasses.replace(target.weights, output=jnp.zeros_like(target.weights.output)))
+    max_tokens = 40
+    spec = SpeculativeConfig(("ngram",), n_max=3, rollback=rollback)
+    chosen = prompts[1], prompts[4]  # one prefill chunk each
+    expected = [plain_greedy(zeroed, p, max_tokens) for p in chosen]
+    assert expected == [[0] * max_tokens] * 2
+
+    async def main():
+        engine = engine_of(zeroed, adaptive=False, max_call_seconds=None)
+        assert engine.runtime.lookup_width == 4
+        async with engine:
+            results = [None, None]
+
+            async def run(i, request):
+                results[i] = await collect(engine, request)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, 0, GenerationRequest(chosen[0], max_tokens, speculative=spec))
+                tg.start_soon(run, 1, GenerationRequest(chosen[1], max_tokens))
+        return results, engine.steps
+
+    (drafted, plain), steps = anyio.run(main)
+    assert [drafted[0], plain[0]] == expected
+    stats = drafted[1].drafters["ngram"]
+    assert stats.accepted == stats.drafted >= max_tokens // 2 - 2 and drafted[2] == stats.accepted
+    assert drafted[1].rollback_steps[rollback] > 0
+    assert sum(drafted[1].rollback_steps.values()) == drafted[1].rollback_steps[rollback]
+    assert steps <= 2 + 2 * -(-max_tokens // ITERATIONS)  # the prefills, then calls of at least ITERATIONS tokens
 
 
 def test_end_of_generation_id_ends_a_sequence_inside_a_device_loop(target, prompts, references):

@@ -182,3 +182,43 @@ def test_calibration_times_steps_without_touching_sequences(target):
                                        after.conv + after.ssm + (after.hidden,)):  # fmt: skip
         np.testing.assert_array_equal(pool_before[:2], pool_after[:2])  # plane 2 was lent
     assert not np.array_equal(before.ssm[0][2], after.ssm[0][2])  # the timed writes happened
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_lookup_iterations_in_one_call_match_plain_greedy(target, replay):
+    """A row decodes 5 more iterations in one call drafting by n-gram lookup on device, in snapshot or replay
+    rollback, beside a row decoding plainly. Its history holds the model's own greedy continuation after the
+    prompt's last tokens, so every lookup proposes 3 right tokens and every iteration accepts them; with a history
+    that matches nothing, every later iteration runs at one token. Either way the tokens equal plain greedy
+    decoding's."""
+    runtime = Runtime(target, n_pages=9, n_planes=11, replay_tokens=3, max_iterations=6, lookup_drafts=3,
+                      shapes=Shapes(max_rows=2, max_tokens=8, max_logit_rows=4, pages_per_row=2))  # fmt: skip
+    assert runtime.lookup_width == 4
+    rng = np.random.default_rng(12)
+    prompts = [[int(t) for t in rng.integers(0, 509, 8)] for _ in range(2)]
+    expected = [plain_greedy(target, p, 24) for p in prompts]
+    pages = ([1, 2], [3, 4])
+
+    def decode(history, write_pool):
+        """The prompts' prefill, then one call from each one's first token on; returns each row's committed tokens
+        and the first row's later iterations."""
+        firsts = [runtime.step([StepRow(Row(p, 0, pages[i], 0, [-1] * 7 + [1 + i], [7]))])[0].committed
+                  for i, p in enumerate(prompts)]  # fmt: skip
+        assert [f[0] for f in firsts] == [e[0] for e in expected]
+        rows = []
+        for i, p in enumerate(prompts):
+            pool = write_pool[i] if not replay or i else write_pool[i][:1]
+            loop = RowLoop(3 if i == 0 else 0, (1 + i,) + pool, budget=16, replay=replay and i == 0,
+                           lookup=(2, 8) if i == 0 else None, history=history if i == 0 else ())  # fmt: skip
+            rows.append(StepRow(Row([firsts[i][0]], len(p), pages[i], 1 + i, [pool[0]], [0]), loop=loop))
+        results = runtime.step(rows, iterations=6)
+        return [r.committed + [t for later in r.more for t in later.committed] for r in results], results[0].more
+
+    C = expected[0]
+    matched, more = decode(prompts[0][-6:] + C + [7] + prompts[0] + C[:1], ((3, 4, 5, 6), (7, 8, 9, 10)))
+    assert [later.n_accepted for later in more] == [3] * len(more) and len(more) == 4  # 4 x 4 tokens: the budget
+    assert [len(later.drafts) for later in more] == [3] * 4
+    assert [m == e[1 : 1 + len(m)] for m, e in zip(matched, expected)] == [True, True]
+    unmatched, more = decode(prompts[0] + C[:1], ((3, 4, 5, 6), (7, 8, 9, 10)))
+    assert [len(later.drafts) for later in more] == [0] * 5
+    assert [u == e[1 : 1 + len(u)] for u, e in zip(unmatched, expected)] == [True, True]
