@@ -5,8 +5,11 @@ the plain run. Writes JSON.
     gdnspec bench speculation --out bench/results/speculation-cpu.json
     gdnspec bench speculation --max-model-len 8192 --streams 16 --out bench/results/speculation-8k.json
 
-Every cell is compiled before it is timed (the engine's warm-up), and each cell runs `--repeats` times; the
-median is reported with the spread. `--rollback snapshot,checkpoint` runs every drafter set under each forced
+Every cell is compiled before it is timed (the engine's warm-up). The cells of a stream count then run in
+`--repeats` rounds, each round running every cell once in turn (after one untimed round, in which the drafter
+policy's estimates settle), so that a shared machine's drift falls on all cells alike; each cell reports the median
+and spread of its rounds and `vs_plain_paired`, the median of its per-round ratios to the plain cell: the ratio
+to quote. `--rollback snapshot,checkpoint` runs every drafter set under each forced
 rollback mode; `--synthetic-alpha A` adds the `synthetic` drafter (the plain run's own tokens, each corrupted with
 probability 1 - A), for a known acceptance rate on models whose own drafters have none (random weights).
 
@@ -101,33 +104,48 @@ def run(args) -> dict:
         async with engine:
             for n_streams in streams:
                 plain_tokens = None
-                for policy, mode in [(p, m) for p in policies for m in (modes if p != "plain" else ["auto"])]:
+                cells = [(p, m) for p in policies for m in (modes if p != "plain" else ["auto"])]
+                runs: dict[tuple[str, str], list[dict]] = {cell: [] for cell in cells}
+                for round_ in range(args.repeats + 1):  # round 0 lets the policy's estimates settle, untimed
+                    for policy, mode in cells:
+                        drafters = tuple(d for d in policy.split(",") if d and d != "plain")
+                        spec = SpeculativeConfig(drafters, n_max=args.n_max, rollback=mode) if drafters else None
+                        requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
+                        if n_streams > len(requests):
+                            requests = [requests[i % len(requests)] for i in range(n_streams)]
+                        if synthetic is not None and "synthetic" in drafters:
+                            if plain_tokens is None:
+                                raise SystemExit("the synthetic drafter needs the plain run first "
+                                                 "(--drafters 'plain;...')")
+                            synthetic.references = [list(r.prompt_ids) + list(t)
+                                                    for r, t in zip(requests, plain_tokens)]  # fmt: skip
+                        result = await _run(engine, requests, n_streams)
+                        if plain_tokens is None and not drafters:
+                            plain_tokens = result["tokens"]
+                        if plain_tokens is not None and result["tokens"] != plain_tokens:
+                            raise AssertionError(f"{policy} at {n_streams} streams: output differs from plain")
+                        if round_:
+                            runs[policy, mode].append(result)
+                plain_rates = next(([r["tokens_per_s"] for r in cell_runs] for (policy, _), cell_runs
+                                    in runs.items() if policy == "plain"), None)  # fmt: skip
+                for (policy, mode), cell_runs in runs.items():
                     drafters = tuple(d for d in policy.split(",") if d and d != "plain")
-                    spec = SpeculativeConfig(drafters, n_max=args.n_max, rollback=mode) if drafters else None
-                    requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
-                    if n_streams > len(requests):
-                        requests = [requests[i % len(requests)] for i in range(n_streams)]
-                    if synthetic is not None and "synthetic" in drafters:
-                        if plain_tokens is None:
-                            raise SystemExit("the synthetic drafter needs the plain run first (--drafters 'plain;...')")
-                        synthetic.references = [list(r.prompt_ids) + list(t) for r, t in zip(requests, plain_tokens)]
-                    runs = [await _run(engine, requests, n_streams) for _ in range(args.repeats)]
-                    if plain_tokens is None and not drafters:
-                        plain_tokens = runs[0]["tokens"]
-                    if plain_tokens is not None and any(r["tokens"] != plain_tokens for r in runs):
-                        raise AssertionError(f"{policy} at {n_streams} streams: output differs from plain")
-                    rates = [r["tokens_per_s"] for r in runs]
+                    rates = [r["tokens_per_s"] for r in cell_runs]
+                    last = cell_runs[-1]
                     cell = {"streams": n_streams, "drafters": list(drafters) or ["plain"], "rollback": mode,
                             "tokens_per_s": statistics.median(rates), "min": min(rates), "max": max(rates),
-                            "drafted": runs[-1]["drafted"], "accepted": runs[-1]["accepted"],
-                            "rollback_steps": runs[-1]["rollback_steps"],
-                            "generated": sum(len(t) for t in runs[-1]["tokens"])}  # fmt: skip
+                            "rounds": rates, "drafted": last["drafted"], "accepted": last["accepted"],
+                            "rollback_steps": last["rollback_steps"],
+                            "generated": sum(len(t) for t in last["tokens"])}  # fmt: skip
+                    if plain_rates:
+                        cell["vs_plain_paired"] = statistics.median(r / p for r, p in zip(rates, plain_rates))
                     out["cells"].append(cell)
                     if args.out:
                         save_json(out, args.out)  # a run cut short keeps the cells it finished
+                    paired = f", {cell['vs_plain_paired']:.3f}x plain (paired)" if plain_rates else ""
                     print(f"{n_streams:3d} streams {policy:12s} {mode:10s}: {cell['tokens_per_s']:8.1f} tokens/s "
-                          f"[{cell['min']:.1f}, {cell['max']:.1f}]  drafted {cell['drafted']}, accepted "
-                          f"{cell['accepted']} of {cell['generated']} tokens, rollback steps "
+                          f"[{cell['min']:.1f}, {cell['max']:.1f}]{paired}  drafted {cell['drafted']}, accepted "
+                          f"{cell['accepted']} of {cell['generated']} tokens (last round), rollback steps "
                           f"{cell['rollback_steps']}", flush=True)  # fmt: skip
         base = {c["streams"]: c["tokens_per_s"] for c in out["cells"] if c["drafters"] == ["plain"]}
         for cell in out["cells"]:
