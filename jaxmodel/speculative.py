@@ -261,9 +261,9 @@ def replay_rebuild(
 class LoopInputs:
     """Rows that may run further iterations in the same call, without the host in between (all [B] unless noted).
 
-    A looping row feeds its bonus token and up to n_draft drafts per iteration: the MTP head's, or where lookup_min > 0
-    the n-gram lookup's over its history (`jaxmodel.ngram_lookup`), which grows by each iteration's committed tokens.
-    In snapshot mode
+    A looping row feeds its bonus token and up to n_draft drafts per iteration: the MTP head's, or where
+    lookup_min > 0 the n-gram lookup's over its history (`jaxmodel.ngram_lookup`), which grows by each iteration's
+    committed tokens. In snapshot mode
     it reads its live plane and writes the state after each fed token into `planes` minus the live one, in order;
     after a accepted drafts the a-th of those becomes live. A `replay` row owns two planes: it writes the state
     after the bonus (after its last draft when `optimistic`) into the other one, records GDN inputs in its replay
@@ -418,7 +418,8 @@ def speculative_step(
                                              write_planes=writes[:, :1], logit_rows=step.logit_rows[:, :1])
                 verify_1 = VerifyInputs(tokens[:, 1:1], n_fed, start + 1, active, verify_in.sampling)
                 out, state = run(single, state, verify_1)
-                return dataclasses.replace(out, tokens=jnp.pad(out.tokens, ((0, 0), (0, W - 1)), constant_values=-1)), state
+                padded = jnp.pad(out.tokens, ((0, 0), (0, W - 1)), constant_values=-1)  # [B, W]
+                return dataclasses.replace(out, tokens=padded), state
 
             out, state = _either(jnp.any(n_fed > 0), lambda state: run(step, state, verify_j, replay=replay_j),
                                  one_token, state)

@@ -141,7 +141,8 @@ class Engine:
         self.runtime = Runtime(model, n_pages=sizes.n_pages, n_planes=sizes.n_planes, page_size=page_size,
                                shapes=shapes, n_chain_max=n_max if model.has_mtp else 0, max_iterations=iterations,
                                stop_ids=self.stop_token_ids, draft_vocab=draft_vocab,
-                               replay_tokens=sizes.replay_tokens, lookup_drafts=LOOKUP_DRAFTS if lookups else 0)  # fmt: skip
+                               replay_tokens=sizes.replay_tokens,
+                               lookup_drafts=LOOKUP_DRAFTS if lookups else 0)  # fmt: skip
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(
@@ -372,7 +373,11 @@ class Engine:
                 start = time.perf_counter()
                 proposals = self.drafters[name].propose(requests)
                 share = (time.perf_counter() - start) / len(requests)
-                on_device = self.drafters[name].device_chain(requests[0].seq_id, 0) >= 0  # costed in `_record_costs`
+                # Drafters that draft on device are costed in `_record_costs` (the MTP chain) or inside the target's
+                # iterations (the lookup, whose host proposal is one per call, not per iteration).
+                drafter = self.drafters[name]
+                on_device = (drafter.device_chain(requests[0].seq_id, 0) >= 0
+                             or bool(self.runtime.lookup_drafts and drafter.device_lookup()))
                 for (row, config, _), proposal in zip(entries, proposals):
                     if not on_device:
                         self.policy.record_proposal(name, share, len(proposal.tokens))
