@@ -366,8 +366,8 @@ class Runtime:
         H = LOOKUP_HISTORY + LOOP_MAX_TOKENS + self.max_iterations * self.lookup_width if lookup else 1
         history, history_len = np.zeros((B, H), np.int32), np.zeros((B,), np.int32)
         for b, r in enumerate(rows):
+            capacity[b] = len(r.row.pages) * self.page_size
             if r.loop is None or (r.loop.lookup and not lookup):
-                capacity[b] = len(r.row.pages) * self.page_size
                 continue
             if r.loop.replay and (b >= self.replay_slots or r.loop.n_draft > self.replay_tokens):
                 raise ValueError(f"row {b}: replay iterations need a replay slot and at most "
@@ -375,7 +375,6 @@ class Runtime:
             loops[b], replay[b], optimistic[b] = True, r.loop.replay, r.loop.optimistic
             n_draft[b], budget[b] = r.loop.n_draft, r.loop.budget
             planes[b, : len(r.loop.planes)] = r.loop.planes[:width]
-            capacity[b] = len(r.row.pages) * self.page_size
             if r.loop.lookup:
                 min_n, max_n = r.loop.lookup
                 if not 1 <= min_n <= max_n <= LOOKUP_MAX_N or r.loop.n_draft > self.lookup_drafts:

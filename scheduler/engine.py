@@ -375,9 +375,7 @@ class Engine:
                 share = (time.perf_counter() - start) / len(requests)
                 # Drafters that draft on device are costed in `_record_costs` (the MTP chain) or inside the target's
                 # iterations (the lookup, whose host proposal is one per call, not per iteration).
-                drafter = self.drafters[name]
-                on_device = (drafter.device_chain(requests[0].seq_id, 0) >= 0
-                             or bool(self.runtime.lookup_drafts and drafter.device_lookup()))
+                on_device = name not in self.policy.params.host_drafters
                 for (row, config, _), proposal in zip(entries, proposals):
                     if not on_device:
                         self.policy.record_proposal(name, share, len(proposal.tokens))
