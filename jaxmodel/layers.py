@@ -149,6 +149,28 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], axis=-1)
 
 
+def _attention_inputs(w: Attention, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+    """x [B, T, E] normed, positions [B, T] -> q [B, T, H, D] and its gate [B, T, H, D] (q normed and rotated),
+    k, v [B, T, Hkv, D] (k normed and rotated)."""
+    B, T, _ = x.shape
+    H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    qg, k, v = project(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
+    qg = qg.reshape(B, T, H, 2 * D)
+    q = rope(rms_norm(qg[..., :D], w.q_norm, cfg.norm_eps), positions, cfg)
+    k = rope(rms_norm(k.reshape(B, T, Hkv, D), w.k_norm, cfg.norm_eps), positions, cfg)
+    return q, qg[..., D:], k, v.reshape(B, T, Hkv, D)
+
+
+def _write_pages(k_pages, v_pages, k, v, positions, valid, page_table):
+    """The pages [n_pages, page_size, Hkv, D] with k, v [B, T, Hkv, D] written at positions [B, T]; padding tokens
+    (valid False) write into page 0, the trash page."""
+    page_size = k_pages.shape[1]
+    page = jnp.take_along_axis(page_table, positions // page_size, axis=1)
+    page = jnp.where(valid, page, 0)  # [B, T]
+    slot = positions % page_size
+    return k_pages.at[page, slot].set(k.astype(k_pages.dtype)), v_pages.at[page, slot].set(v.astype(v_pages.dtype))
+
+
 def paged_attention(
     w: Attention,
     cfg: ModelConfig,
@@ -166,25 +188,21 @@ def paged_attention(
     pages.
     """
     B, T, _ = x.shape
-    H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    page_size = k_pages.shape[1]
-    qg, k, v = project(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias))
-    qg = qg.reshape(B, T, H, 2 * D)
-    q, gate = qg[..., :D], qg[..., D:]
-    k = k.reshape(B, T, Hkv, D)
-    v = v.reshape(B, T, Hkv, D)
-    q = rope(rms_norm(q, w.q_norm, cfg.norm_eps), positions, cfg)
-    k = rope(rms_norm(k, w.k_norm, cfg.norm_eps), positions, cfg)
-
-    page = jnp.take_along_axis(page_table, positions // page_size, axis=1)
-    page = jnp.where(valid, page, 0)  # [B, T]
-    slot = positions % page_size
-    k_pages = k_pages.at[page, slot].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[page, slot].set(v.astype(v_pages.dtype))
-
-    out = attend(q, k_pages, v_pages, page_table, positions, valid).reshape(B, T, H * D)
-    out = out * jax.nn.sigmoid(gate.reshape(B, T, H * D))
+    q, gate, k, v = _attention_inputs(w, cfg, x, positions)
+    k_pages, v_pages = _write_pages(k_pages, v_pages, k, v, positions, valid, page_table)
+    out = attend(q, k_pages, v_pages, page_table, positions, valid).reshape(B, T, -1)
+    out = out * jax.nn.sigmoid(gate.reshape(B, T, -1))
     return linear(out, w.o), k_pages, v_pages
+
+
+def write_kv(
+    w: Attention, cfg: ModelConfig, x: jax.Array, positions: jax.Array, valid: jax.Array, page_table: jax.Array,
+    k_pages: jax.Array, v_pages: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The K/V `paged_attention` writes for the same inputs (shapes as there), bit for bit, without attending:
+    a token's K and V depend on its own input only. Returns the updated pages."""
+    _, _, k, v = _attention_inputs(w, cfg, x, positions)
+    return _write_pages(k_pages, v_pages, k, v, positions, valid, page_table)
 
 
 def dense_ffn(w: DenseFfn, x: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ from .config import ModelConfig
 from .gdn import gdn_mixer, gdn_rebuild
 from .gguf_io import read_gguf, to_device
 from .host_memory import THREAD_HEAP_BYTES, release_freed_memory, retain_freed_memory
-from .layers import linear, paged_attention, rms_norm
+from .layers import linear, paged_attention, rms_norm, write_kv
 from .moe import ffn
 from .kernels import cpu_matmul
 from .precision import cast_matmul_weights, default_weight_dtype, transpose_matmul_weights
@@ -126,12 +126,7 @@ def mtp_forward(
     vocab: logits for token ids below it only ([B, R, vocab]), a drafting vocabulary (see `jaxmodel.speculative`).
     """
     mtp: Mtp = weights.mtp
-    T = batch.tokens.shape[1]
-    valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]
-    e = rms_norm(mtp.embed[batch.tokens].astype(jnp.float32), mtp.enorm, cfg.norm_eps)
-    hh = rms_norm(hidden_in, mtp.hnorm, cfg.norm_eps)
-    u = linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj)
-    h = rms_norm(u, mtp.layer.attn_norm, cfg.norm_eps)
+    valid, u, h = _mtp_inputs(mtp, cfg, batch, hidden_in)
     y, k_mtp, v_mtp = paged_attention(
         mtp.layer.mixer, cfg, h, batch.positions, valid, batch.page_table, state.k_pages[-1], state.v_pages[-1]
     )
@@ -142,6 +137,27 @@ def mtp_forward(
     new_state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + (k_mtp,),
                                     v_pages=state.v_pages[:-1] + (v_mtp,))
     return out, new_state
+
+
+def _mtp_inputs(mtp: Mtp, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array):
+    """The MTP block's valid tokens [B, T], its residual input u [B, T, E] and the attention's normed input."""
+    T = batch.tokens.shape[1]
+    valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]
+    e = rms_norm(mtp.embed[batch.tokens].astype(jnp.float32), mtp.enorm, cfg.norm_eps)
+    hh = rms_norm(hidden_in, mtp.hnorm, cfg.norm_eps)
+    u = linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj)
+    return valid, u, rms_norm(u, mtp.layer.attn_norm, cfg.norm_eps)
+
+
+def mtp_write_kv(weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array,
+                 state: ModelState) -> ModelState:
+    """The MTP block's KV for (token, hidden_in) pairs as `mtp_forward` writes it, bit for bit, without attending,
+    the FFN or the head: what a catch-up needs where no draft follows (a position's K and V depend on its own
+    token and h_{t-1} only). Shapes as `mtp_forward`."""
+    valid, _, h = _mtp_inputs(weights.mtp, cfg, batch, hidden_in)
+    k_mtp, v_mtp = write_kv(weights.mtp.layer.mixer, cfg, h, batch.positions, valid, batch.page_table,
+                            state.k_pages[-1], state.v_pages[-1])  # fmt: skip
+    return dataclasses.replace(state, k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,))
 
 
 class Model:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .layers import linear
-from .model import Record, forward, mtp_forward, rebuild
+from .model import Record, forward, mtp_forward, mtp_write_kv, rebuild
 from .ngram_lookup import append_tokens, ngram_lookup
 from .sampling import SamplingParams, verify
 from .state import ModelState, StepBatch, read_planes
@@ -105,35 +105,48 @@ def mtp_catch_up_and_chain(
     batch: the target step's batch [B, T]; hidden [B, T, E] its post-norm hidden; hidden_before [B, E] = h_{s-1};
     n_kept [B]: leading fed tokens committed; bonus [B]: the token committed after them (valid where has_bonus).
     Returns drafts [B, n_max], n_drafted [B] and the state with the MTP block's KV written.
+
+    Where no row chains (the policy is not drafting with the head now), the catch-up only writes the KV of the
+    kept tokens (`model.mtp_write_kv`: no attention, FFN or head, and T tokens rather than T + 1), which is all a
+    later chain reads of them; the next step feeds the bonus first and writes its KV then.
     """
     B, T = batch.tokens.shape
     on = chain.n_chain >= 0
     chaining = on & has_bonus & (chain.n_chain >= 1)
     start = batch.positions[:, :1]
-    # The catch-up feeds each row's kept tokens and, where it chains, the bonus after them (at index n_kept, over a
-    # rejected draft if any): the bonus's input hidden h_{m-1} is hidden[n_kept - 1], the same shift as the others'.
-    index = jnp.arange(T + 1)[None, :]
-    tokens = jnp.concatenate([batch.tokens, jnp.zeros((B, 1), batch.tokens.dtype)], axis=1)
-    tokens = jnp.where((index == n_kept[:, None]) & chaining[:, None], bonus[:, None], tokens)  # [B, T+1]
-    catch_up = StepBatch(
-        tokens=tokens, positions=start + index, n_tokens=jnp.where(on, n_kept + chaining.astype(jnp.int32), 0),
-        page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
-        write_planes=jnp.full((B, T + 1), -1, jnp.int32),
-        logit_rows=jnp.zeros((B, 0), jnp.int32),  # no logits here: the chain computes the ones it needs
-    )  # fmt: skip
-    hidden_in = jnp.concatenate([hidden_before[:, None], hidden], axis=1)  # [B, T+1, E]
-    out, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
-    bonus_position = start[:, 0] + n_kept
-    own_hidden = jnp.take_along_axis(out.hidden, n_kept[:, None, None], axis=1)[:, 0]  # [B, E] the MTP's at the bonus
+    hidden_in = jnp.concatenate([hidden_before[:, None], hidden], axis=1)  # [B, T+1, E]: h_{p-1} for each fed p
 
-    # Rows that only catch up (the policy is not drafting with the head now) skip the bonus and the chain: the
-    # next step feeds the bonus first and writes its KV then.
-    return jax.lax.cond(
-        jnp.any(chaining),
-        lambda state: _chain(weights, cfg, batch.page_table, own_hidden, bonus_position, chaining, chain, state,
-                             n_max, vocab),
-        lambda state: (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), state), state,
-    )  # fmt: skip
+    def catch_up_and_chain(state):
+        # The catch-up feeds each row's kept tokens and, where it chains, the bonus after them (at index n_kept,
+        # over a rejected draft if any): the bonus's input hidden h_{m-1} is hidden[n_kept - 1], the same shift as
+        # the others'.
+        index = jnp.arange(T + 1)[None, :]
+        tokens = jnp.concatenate([batch.tokens, jnp.zeros((B, 1), batch.tokens.dtype)], axis=1)
+        tokens = jnp.where((index == n_kept[:, None]) & chaining[:, None], bonus[:, None], tokens)  # [B, T+1]
+        catch_up = StepBatch(
+            tokens=tokens, positions=start + index, n_tokens=jnp.where(on, n_kept + chaining.astype(jnp.int32), 0),
+            page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
+            write_planes=jnp.full((B, T + 1), -1, jnp.int32),
+            logit_rows=jnp.zeros((B, 0), jnp.int32),  # no logits here: the chain computes the ones it needs
+        )  # fmt: skip
+        out, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
+        bonus_position = start[:, 0] + n_kept
+        own_hidden = jnp.take_along_axis(out.hidden, n_kept[:, None, None], axis=1)[:, 0]  # [B, E] at the bonus
+        drafts, n_drafted, state = _chain(weights, cfg, batch.page_table, own_hidden, bonus_position, chaining,
+                                          chain, state, n_max, vocab)  # fmt: skip
+        return (drafts, n_drafted), state
+
+    def catch_up_only(state):
+        kept = StepBatch(
+            tokens=batch.tokens, positions=start + jnp.arange(T)[None, :], n_tokens=jnp.where(on, n_kept, 0),
+            page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
+            write_planes=jnp.full((B, T), -1, jnp.int32), logit_rows=jnp.zeros((B, 0), jnp.int32),
+        )  # fmt: skip
+        state = mtp_write_kv(weights, cfg, kept, hidden_in[:, :T], state)
+        return (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32)), state
+
+    (drafts, n_drafted), state = _either(jnp.any(chaining), catch_up_and_chain, catch_up_only, state)
+    return drafts, n_drafted, state
 
 
 def _chain(weights, cfg, page_table, own_hidden, bonus_position, chaining, chain: ChainInputs, state, n_max, vocab):
@@ -206,13 +219,14 @@ def iteration(
                         hidden=jnp.zeros((0,), jnp.float32), replay=())
 
     def with_mtp(mtp_kv):
-        return mtp_catch_up_and_chain(weights, cfg, batch, out.hidden, hidden_before, n_kept, bonus, has_bonus,
-                                      chain, mtp_kv, n_max, draft_vocab)  # fmt: skip
+        drafts, n_drafted, mtp_kv = mtp_catch_up_and_chain(weights, cfg, batch, out.hidden, hidden_before, n_kept,
+                                                           bonus, has_bonus, chain, mtp_kv, n_max, draft_vocab)
+        return (drafts, n_drafted), mtp_kv
 
     def without(mtp_kv):
-        return jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), mtp_kv
+        return (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32)), mtp_kv
 
-    drafts, n_drafted, mtp_kv = jax.lax.cond(jnp.any(chain.n_chain >= 0), with_mtp, without, mtp_kv)
+    (drafts, n_drafted), mtp_kv = _either(jnp.any(chain.n_chain >= 0), with_mtp, without, mtp_kv)
     state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + mtp_kv.k_pages,
                                 v_pages=state.v_pages[:-1] + mtp_kv.v_pages)
     return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), state

@@ -15,7 +15,7 @@ from drafters.draft_model import DraftModelDrafter, check_same_vocab
 from jaxmodel import load_model
 from jaxmodel.model import Model
 from jaxmodel.runtime import Runtime, RowLoop, Shapes, StepRow, plane_write_cost
-from jaxmodel.state import Row
+from jaxmodel.state import Row, pack_batch
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,42 @@ def test_mtp_drafts_follow_the_mtp_chain(target, chunks):
         chain_tokens = chain_tokens + [expected[-1]]
         chain_hidden = np.concatenate([chain_hidden, mtp_hidden[-1:]])
     assert result.next_drafts == expected
+
+
+def test_mtp_catch_up_without_a_chain_writes_what_a_chain_reads(target):
+    """Decoding steps whose head only catches up (n_chain 0: it writes its KV and nothing else) leave it where a
+    chain after them drafts exactly what the MTP head drafts over the whole sequence."""
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(0, 509, 12)]
+    runtime = Runtime(target, n_pages=4, n_planes=4, n_chain_max=3)
+    pages = [1, 2]
+    result = runtime.step([StepRow(Row(prompt, 0, pages, 0, [-1] * 11 + [1], [11]), n_chain=0)])[0]
+    tokens, read = list(prompt), 1
+    for i in range(4):
+        assert result.next_drafts == []
+        tokens.append(result.committed[0])
+        write = 1 + (read % 3)
+        row = Row(tokens[-1:], len(tokens) - 1, pages, read, [write], [0])
+        result = runtime.step([StepRow(row, n_chain=3 if i == 3 else 0)])[0]
+        read = write
+    bonus = result.committed[0]
+
+    logits, hidden = target.score(tokens)
+    assert bonus == int(logits[-1].argmax())
+    # The head's KV of every committed position, as one MTP pass over the sequence writes it.
+    n = len(tokens)
+    batch = pack_batch([Row(tokens, 0, pages, 0, [-1] * n, range(n))])
+    hidden_in = np.zeros(batch.tokens.shape + (target.cfg.n_embd,), np.float32)
+    hidden_in[0, 1:n] = hidden[:-1]
+    _, state = target.mtp_step(target.weights, batch=batch, hidden_in=hidden_in, state=target.new_state(3, 1))
+    for ours, expected in [(runtime.state.k_pages[-1], state.k_pages[-1]), (runtime.state.v_pages[-1], state.v_pages[-1])]:
+        ours, expected = (np.asarray(p[1:3]).reshape((-1,) + p.shape[2:])[:n] for p in (ours, expected))
+        np.testing.assert_allclose(ours, expected, atol=1e-4)
+    chain_tokens = tokens + [bonus]
+    chain_hidden = np.concatenate([np.zeros_like(hidden[:1]), hidden])
+    mtp_logits, _ = target.score_mtp(chain_tokens, chain_hidden)
+    assert result.next_drafts[0] == int(mtp_logits[-1].argmax())
+    assert len(result.next_drafts) == 3
 
 
 def test_mtp_chain_stops_below_p_min(target):
