@@ -390,71 +390,91 @@ def speculative_step(
     if lookup_width:
         history, history_len = append_tokens(history, history_len, first.tokens,
                                              jnp.where(verify_in.commits, n_committed, 0))
-    carry = (1, active, live, start, bonus, first.drafts, first.n_drafted, n_committed, history, history_len,
-             record, state)
-    index = jnp.arange(W)[None, :]
+
+    def offers(drafts, n_drafted, history, history_len):
+        """The drafts the next iteration may feed [B, max(W - 1, 1)] (a loop carries no empty array) and how many
+        [B]: the MTP head's, or the lookup's."""
+        width = max(W - 1, 1)
+        mtp = jnp.pad(drafts[:, :width], ((0, 0), (0, width - min(drafts.shape[1], width))))
+        if not lookup_width:
+            return mtp, n_drafted
+        found, n_found = ngram_lookup(history, history_len, loop.lookup_min, loop.lookup_max, W - 1)
+        looking = loop.lookup_min > 0
+        return jnp.where(looking[:, None], found, mtp), jnp.where(looking, n_found, n_drafted)
+
+    offered, n_offered = offers(first.drafts, first.n_drafted, history, history_len)
+    carry = (1, active, live, start, bonus, first.drafts, first.n_drafted, offered, n_offered, n_committed, history,
+             history_len, record, state)  # fmt: skip
+
+    def n_fed_of(carry):  # drafts each row feeds in the next iteration
+        active, n_offered = carry[1], carry[8]
+        return jnp.where(active, jnp.minimum(jnp.minimum(loop.n_draft, n_offered), W - 1), 0)
 
     def more(carry):
         j, active = carry[0], carry[1]
         return (j < jnp.minimum(loop.n_iterations, max_iterations)) & jnp.any(active)
 
-    def body(carry):
-        j, active, live, start, bonus, drafts, n_drafted, n_committed, history, history_len, record, state = carry
-        offered, n_offered = drafts[:, : W - 1], n_drafted  # the MTP head's
-        if lookup_width:
-            found, n_found = ngram_lookup(history, history_len, loop.lookup_min, loop.lookup_max, W - 1)
-            offered = jnp.pad(offered, ((0, 0), (0, W - 1 - offered.shape[1])))
-            looking = loop.lookup_min > 0
-            offered = jnp.where(looking[:, None], found, offered)
-            n_offered = jnp.where(looking, n_found, n_offered)
-        n_fed = jnp.where(active, jnp.minimum(jnp.minimum(loop.n_draft, n_offered), W - 1), 0)  # drafts fed
-        tokens = jnp.concatenate([bonus[:, None], offered], axis=1)
-        tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, W]
-        write_pool = _next_write_planes(loop.planes, live)[:, :W]
-        writes = jnp.where(active[:, None] & (index <= n_fed[:, None]), write_pool, -1)
-        after_last_draft = jnp.where(index == n_fed[:, None], write_pool[:, :1], -1)
-        writes = jnp.where((active & loop.replay & loop.optimistic)[:, None], after_last_draft, writes)
-        step = StepBatch(
-            tokens=tokens, positions=start[:, None] + index, n_tokens=jnp.where(active, 1 + n_fed, 0),
-            page_table=batch.page_table, read_plane=live, write_planes=writes,
-            logit_rows=jnp.broadcast_to(index, (B, W)),
-        )  # fmt: skip
-        verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
-        chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), loop.n_draft, -1), chain.p_min)
-        replaying = active & loop.replay & (n_fed > 0)
-        replay_j = None if replay is None else ReplayInputs(jnp.where(replaying, write_pool[:, 0], -1),
-                                                             replaying & loop.optimistic)  # fmt: skip
-        run = functools.partial(iteration, weights, cfg, chain=chain_j, n_max=n_max, draft_vocab=draft_vocab,
-                                rebuild_rows=rebuild_rows)
-        if lookup_width:
-            def one_token(state):  # no row feeds a draft: the iteration at one token, its tokens padded to W
-                single = dataclasses.replace(step, tokens=tokens[:, :1], positions=step.positions[:, :1],
-                                             write_planes=writes[:, :1], logit_rows=step.logit_rows[:, :1])
-                verify_1 = VerifyInputs(tokens[:, 1:1], n_fed, start + 1, active, verify_in.sampling)
-                out, state = run(single, state, verify_1)
-                padded = jnp.pad(out.tokens, ((0, 0), (0, W - 1)), constant_values=-1)  # [B, W]
-                return dataclasses.replace(out, tokens=padded), state
+    def iterate(width: int):
+        """One later iteration over `width` tokens per row (1: no row feeds a draft), its record padded to W."""
+        index = jnp.arange(width)[None, :]
 
-            out, state = _either(jnp.any(n_fed > 0), lambda state: run(step, state, verify_j, replay=replay_j),
-                                 one_token, state)
-        else:
-            out, state = run(step, state, verify_j, replay=replay_j)
-        a = out.n_accepted
-        record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
-                            tokens=record.tokens.at[j - 1].set(out.tokens), n_drafts=record.n_drafts.at[j - 1].set(n_fed))
-        live = jnp.where(active, _live_after(write_pool, a, loop.replay), live)
-        start = jnp.where(active, start + 1 + a, start)
-        bonus = jnp.where(active, jnp.take_along_axis(out.tokens, a[:, None], axis=1)[:, 0], bonus)
-        drafts = jnp.where(active[:, None], out.drafts, drafts)
-        n_drafted = jnp.where(active, out.n_drafted, n_drafted)
-        n_committed = n_committed + jnp.where(active, a + 1, 0)
-        if lookup_width:
-            history, history_len = append_tokens(history, history_len, out.tokens, jnp.where(active, a + 1, 0))
-        active = (active & ~_stops(out.tokens, a + 1, loop.stop_ids) & (n_committed < loop.budget)
-                  & (start + loop.n_draft < loop.capacity))  # fmt: skip
-        return j + 1, active, live, start, bonus, drafts, n_drafted, n_committed, history, history_len, record, state
+        def body(carry):
+            (j, active, live, start, bonus, drafts, n_drafted, offered, _, n_committed, history, history_len, record,
+             state) = carry  # fmt: skip
+            n_fed = n_fed_of(carry)
+            tokens = jnp.concatenate([bonus[:, None], offered[:, : width - 1]], axis=1)
+            tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, width]
+            write_pool = _next_write_planes(loop.planes, live)[:, :W]
+            writes = jnp.where(active[:, None] & (index <= n_fed[:, None]), write_pool[:, :width], -1)
+            after_last_draft = jnp.where(index == n_fed[:, None], write_pool[:, :1], -1)
+            writes = jnp.where((active & loop.replay & loop.optimistic)[:, None], after_last_draft, writes)
+            step = StepBatch(
+                tokens=tokens, positions=start[:, None] + index, n_tokens=jnp.where(active, 1 + n_fed, 0),
+                page_table=batch.page_table, read_plane=live, write_planes=writes,
+                logit_rows=jnp.broadcast_to(index, (B, width)),
+            )  # fmt: skip
+            verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
+            chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), loop.n_draft, -1), chain.p_min)
+            replaying = active & loop.replay & (n_fed > 0)
+            replay_j = None if replay is None else ReplayInputs(
+                jnp.where(replaying, write_pool[:, 0], -1), replaying & loop.optimistic)  # fmt: skip
+            out, state = iteration(weights, cfg, step, state, verify_j, chain_j, replay_j, n_max=n_max,
+                                   draft_vocab=draft_vocab, rebuild_rows=rebuild_rows)  # fmt: skip
+            a = out.n_accepted
+            tokens_out = jnp.pad(out.tokens, ((0, 0), (0, W - width)), constant_values=-1)  # [B, W]
+            record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
+                                tokens=record.tokens.at[j - 1].set(tokens_out),
+                                n_drafts=record.n_drafts.at[j - 1].set(n_fed))  # fmt: skip
+            live = jnp.where(active, _live_after(write_pool, a, loop.replay), live)
+            start = jnp.where(active, start + 1 + a, start)
+            bonus = jnp.where(active, jnp.take_along_axis(out.tokens, a[:, None], axis=1)[:, 0], bonus)
+            drafts = jnp.where(active[:, None], out.drafts, drafts)
+            n_drafted = jnp.where(active, out.n_drafted, n_drafted)
+            n_committed = n_committed + jnp.where(active, a + 1, 0)
+            if lookup_width:
+                history, history_len = append_tokens(history, history_len, out.tokens, jnp.where(active, a + 1, 0))
+            active = (active & ~_stops(out.tokens, a + 1, loop.stop_ids) & (n_committed < loop.budget)
+                      & (start + loop.n_draft < loop.capacity))  # fmt: skip
+            offered, n_offered = offers(drafts, n_drafted, history, history_len)
+            return (j + 1, active, live, start, bonus, drafts, n_drafted, offered, n_offered, n_committed, history,
+                    history_len, record, state)  # fmt: skip
 
-    _, _, _, _, _, drafts, n_drafted, _, _, _, record, state = jax.lax.while_loop(more, body, carry)
+        return body
+
+    if lookup_width:
+        # Runs of iterations in which no row feeds a draft, at one token, alternate with runs in which some row does,
+        # at W: each run is a loop of its own, so choosing the width costs nothing per iteration. (Choosing it
+        # within each iteration, by two loops of at most one trip, cost 10 % of a plain iteration.)
+        feeding = lambda carry: jnp.any(n_fed_of(carry) > 0)
+
+        def runs(carry):
+            carry = jax.lax.while_loop(lambda c: more(c) & ~feeding(c), iterate(1), carry)
+            return jax.lax.while_loop(lambda c: more(c) & feeding(c), iterate(W), carry)
+
+        carry = jax.lax.while_loop(more, runs, carry)
+    else:
+        carry = jax.lax.while_loop(more, iterate(W), carry)
+    drafts, n_drafted, record, state = carry[5], carry[6], carry[12], carry[13]
     first = SpeculativeOutput(first.n_accepted, first.tokens, drafts, n_drafted)
     return (first, record), state
 
