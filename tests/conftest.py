@@ -9,6 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+import jaxmodel  # noqa: F401  sets its XLA flags (jaxmodel.xla_flags) before the line below starts JAX
+
 DATA = Path(__file__).parent / "data"
 
 # Pallas kernels run compiled on a GPU and interpreted elsewhere (CPU CI checks them that way).
