@@ -18,7 +18,6 @@ entry for a committed position.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -214,7 +213,7 @@ def iteration(
     has_bonus = verify_in.commits
     bonus = jnp.take_along_axis(tokens, n_accepted[:, None], axis=1)[:, 0]
 
-    # Only the MTP block's KV pages pass through the branch: XLA copies what a conditional carries.
+    # Only the MTP block's KV pages pass through the branch (`_either`), the one part of the state it writes.
     mtp_kv = ModelState(k_pages=state.k_pages[-1:], v_pages=state.v_pages[-1:], conv=(), ssm=(),
                         hidden=jnp.zeros((0,), jnp.float32), replay=())
 
@@ -226,7 +225,7 @@ def iteration(
     def without(mtp_kv):
         return (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32)), mtp_kv
 
-    (drafts, n_drafted), mtp_kv = _either(jnp.any(chain.n_chain >= 0), with_mtp, without, mtp_kv)
+    (drafts, n_drafted), mtp_kv = _when(jnp.any(chain.n_chain >= 0), with_mtp, without(mtp_kv)[0], mtp_kv)
     state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + mtp_kv.k_pages,
                                 v_pages=state.v_pages[:-1] + mtp_kv.v_pages)
     return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), state
@@ -327,6 +326,16 @@ def _stops(tokens: jax.Array, n_committed: jax.Array, stop_ids: jax.Array) -> ja
     """Whether a row's committed tokens [B, R] (the first n_committed [B]) hold an end-of-generation id."""
     committed = jnp.arange(tokens.shape[1])[None, :] < n_committed[:, None]
     return jnp.any(committed & jnp.any(tokens[..., None] == stop_ids, axis=-1), axis=1)
+
+
+def _when(pred: jax.Array, fn, otherwise, state: ModelState):
+    """`fn(state)` where pred holds, else (otherwise, state): `_either` with a branch that changes nothing, as one
+    loop of at most one trip (a plain decoding step pays for one loop, not two)."""
+    def body(carry):
+        _, _, state = carry
+        return (jnp.bool_(True),) + fn(state)
+
+    return jax.lax.while_loop(lambda carry: pred & ~carry[0], body, (jnp.bool_(False), otherwise, state))[1:]
 
 
 def _either(pred: jax.Array, if_true, if_false, state: ModelState):
