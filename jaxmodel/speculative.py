@@ -222,10 +222,8 @@ def iteration(
                                                            bonus, has_bonus, chain, mtp_kv, n_max, draft_vocab)
         return (drafts, n_drafted), mtp_kv
 
-    def without(mtp_kv):
-        return (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32)), mtp_kv
-
-    (drafts, n_drafted), mtp_kv = _when(jnp.any(chain.n_chain >= 0), with_mtp, without(mtp_kv)[0], mtp_kv)
+    no_drafts = (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32))
+    (drafts, n_drafted), mtp_kv = _when(jnp.any(chain.n_chain >= 0), with_mtp, no_drafts, mtp_kv)
     state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + mtp_kv.k_pages,
                                 v_pages=state.v_pages[:-1] + mtp_kv.v_pages)
     return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), state
@@ -340,21 +338,12 @@ def _when(pred: jax.Array, fn, otherwise, state: ModelState):
 
 def _either(pred: jax.Array, if_true, if_false, state: ModelState):
     """`lax.cond(pred, if_true, if_false, state)` for functions returning (small outputs, state), as two loops of
-    at most one trip each: XLA's CPU runtime copies the buffers a conditional carries (the whole pools, tens of
-    milliseconds a step at a server's sizes), while a loop updates its carry in place."""
+    at most one trip each (`_when`): XLA's CPU runtime copies the buffers a conditional carries (the whole pools,
+    tens of milliseconds a step at a server's sizes), while a loop updates its carry in place."""
     shapes = jax.eval_shape(if_true, state)[0]
     out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def once(fn, run):
-        def body(carry):
-            _, _, state = carry
-            return (jnp.bool_(True),) + fn(state)
-
-        return lambda out, state: jax.lax.while_loop(lambda carry: run & ~carry[0], body,
-                                                     (jnp.bool_(False), out, state))[1:]
-
-    out, state = once(if_true, pred)(out, state)
-    return once(if_false, ~pred)(out, state)
+    out, state = _when(pred, if_true, out, state)
+    return _when(~pred, if_false, out, state)
 
 
 def speculative_step(
