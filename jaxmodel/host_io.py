@@ -117,15 +117,18 @@ class PackedCall:
 
     call(weights, state, inputs, **static) -> (outputs as numpy arrays, state): inputs is a dict of pytrees of host
     arrays (None for an absent one), static the jit-static keyword arguments. The outputs' layout is recorded when
-    the call is traced, which happens in this process before the first call of each layout and static arguments;
-    `traced` says whether the last call was such a first one (and so also compiled, unless a cache held it).
+    the call is traced, which happens before the first call of each layout and static arguments and again whenever
+    jit's cache has let that executable go; `traced` says whether the last call traced (and so also compiled,
+    unless a cache held it), which makes its time no measure of a step.
     """
 
     def __init__(self, fn, static_argnames: tuple[str, ...] = ()):
         self._out_layouts: dict[tuple, Layout] = {}
+        self._n_traces = 0
         self.traced = False
 
         def packed(weights, state, buffer, *, layout: Layout, **static):
+            self._n_traces += 1
             out, state = fn(weights, state=state, **unpack(buffer, layout), **static)
             buffer, out_layout = pack_traced(out)
             self._out_layouts[layout, _static_key(static)] = out_layout
@@ -135,7 +138,7 @@ class PackedCall:
 
     def __call__(self, weights, state, inputs: dict, **static):
         buffer, layout = pack(inputs)
-        n_traced = len(self._out_layouts)
+        n_traces = self._n_traces
         out, state = self._jitted(weights, state, buffer, layout=layout, **static)
-        self.traced = len(self._out_layouts) > n_traced
+        self.traced = self._n_traces > n_traces
         return unpack_host(np.asarray(out), self._out_layouts[layout, _static_key(static)]), state

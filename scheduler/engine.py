@@ -243,12 +243,11 @@ class Engine:
         the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
         rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
         reported: their cost follows the chunk, not the drafts. Also keeps the call's time per iteration for
-        `max_call_seconds` (`_iterations`), unless the call traced."""
-        if not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
+        `max_call_seconds` (`_iterations`). A call that traced is not reported: its time is mostly compilation."""
+        if self.runtime.last_step_traced or not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
         n_iterations = 1 + max(len(r.more) for r in results)
-        if not self.runtime.last_step_traced:  # a compile is no iteration's cost
-            self._iteration_seconds[len(rows)] = seconds / n_iterations  # the last call's, so a slow one passes
+        self._iteration_seconds[len(rows)] = seconds / n_iterations  # the last call's, so a slow one passes
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import anyio
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -234,6 +235,28 @@ def test_a_bound_on_call_time_runs_fewer_iterations_per_call(target, prompts, re
     assert unbounded <= 1 + -(-(MAX_TOKENS - 1) // ITERATIONS)
     # the prefill step commits 1 token, the first decoding call up to ITERATIONS, each later call 1
     assert bounded >= 1 + 1 + (MAX_TOKENS - 1 - ITERATIONS) > unbounded
+
+
+def test_calls_that_traced_are_not_priced(target, prompts, references):
+    """A device call that traced (and so compiled, or loaded from a cache) is no measure of a step: the policy's cost
+    lines and the call-time bound take only calls that did not. `jax.clear_caches()` makes the request's calls trace
+    again, as when jit's cache lets their executables go; with one decoding call per request, the first request
+    reports nothing and the second, whose calls are cached, reports its decoding call."""
+    prompt = prompts[1]  # 9 tokens: one prefill chunk, then one decoding call of MAX_TOKENS - 1 iterations
+
+    async def run(engine):
+        async with engine:
+            tokens, _, _ = await collect(engine, GenerationRequest(prompt, MAX_TOKENS))
+        assert tokens == references[prompt]
+
+    engine = Engine(target, **ENGINE, iterations=MAX_TOKENS)
+    jax.clear_caches()
+    anyio.run(run, engine)
+    assert engine.steps == 2
+    assert not engine.policy.costs.target and not engine.policy.costs.single and not engine._iteration_seconds
+    anyio.run(run, engine)
+    assert engine.steps == 4
+    assert sum(line.w for line in engine.policy.costs.target.values()) == 1.0 and engine._iteration_seconds
 
 
 @pytest.mark.parametrize("rollback", ["snapshot", "replay"])

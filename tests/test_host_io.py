@@ -70,6 +70,23 @@ def test_packed_call_computes_on_the_unpacked_inputs_and_donates_state():
     assert state.tolist() == [2.0, 2.0]
 
 
+def test_packed_call_says_when_it_traced_again_after_the_cache_let_go():
+    def fn(weights, state, tokens):
+        return {"total": jnp.sum(tokens) + weights}, state
+
+    call = PackedCall(fn)
+    inputs = {"tokens": np.arange(4, dtype=np.int32)}
+    state = jnp.zeros((1,), jnp.float32)
+    seen = []
+    for evict in (False, False, True, False):
+        if evict:
+            jax.clear_caches()  # as jit's cache evicting the executable: the layout is known, the trace is new
+        out, state = call(jnp.int32(1), state, inputs)
+        assert int(out["total"]) == 7
+        seen.append(call.traced)
+    assert seen == [True, False, True, False]
+
+
 @pytest.mark.parametrize("bad", [np.zeros(2, np.float64), np.zeros(2, np.int64), np.zeros(2, np.int8)])
 def test_unsupported_dtypes_are_refused(bad):
     with pytest.raises(TypeError, match="int32, uint32, float32 or bool"):
