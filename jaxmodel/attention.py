@@ -20,8 +20,9 @@ from jaxmodel.kernels.paged_attention import (
     paged_attention_reference,
 )
 
-# Implementations `attend(impl=...)` accepts: the full-table form, the jnp loop over blocks of pages, the kernel.
-IMPLEMENTATIONS = ("reference", "blocked", "pallas")
+# Implementations `attend(impl=...)` accepts: the full-table form (as the specification, and with per-query sums),
+# the jnp loop over blocks of pages, the kernel.
+IMPLEMENTATIONS = ("reference", "full", "blocked", "pallas")
 # Pages per iteration of the jnp loop, measured on CPU (see `attention_blocked`).
 PAGES_PER_BLOCK = 8
 # On GPU the kernel takes steps of up to this many query tokens per row (decode and verify); longer prefill
@@ -31,7 +32,41 @@ GPU_KERNEL_MAX_TOKENS = 16
 FORCE_IMPL: str | None = None
 
 
-def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, pages_per_block: int = PAGES_PER_BLOCK):
+def query_scores(q: jax.Array, keys: jax.Array, per_query: bool) -> jax.Array:
+    """q [B, T, Hkv, G, D] . keys [B, S, Hkv, D] over D -> [B, Hkv, G, T, S] (unscaled).
+
+    per_query: each score is its D products summed by XLA's reduction, in an order that does not depend on T.
+    A dot's order does: XLA's CPU backend picks its product by the number of query rows (T x G), so a token's
+    attention differed in its last bits between a decoding step and an 8-token verify step, and where
+    activations are quantized to Q8_0 such bits can flip a rounding and change later tokens."""
+    if not per_query:
+        return jnp.einsum("btkgd,bskd->bkgts", q, keys, precision=HIGHEST)
+    return jnp.sum(jnp.transpose(q, (0, 2, 3, 1, 4))[:, :, :, :, None, :]
+                   * jnp.transpose(keys, (0, 2, 1, 3))[:, :, None, None], axis=-1)  # fmt: skip
+
+
+def weighted_values(p: jax.Array, values: jax.Array, per_query: bool) -> jax.Array:
+    """p [B, Hkv, G, T, S] . values [B, S, Hkv, D] over S -> [B, Hkv, G, T, D]; per_query as `query_scores`."""
+    if not per_query:
+        return jnp.einsum("bkgts,bskd->bkgtd", p, values, precision=HIGHEST)
+    return jnp.sum(p[..., None] * jnp.transpose(values, (0, 2, 1, 3))[:, :, None, None], axis=-2)
+
+
+def attention_full(q, k_pages, v_pages, page_table, positions, *, per_query: bool = True):
+    """`paged_attention_reference`'s full-table form (shapes as there) with `query_scores` and `weighted_values`:
+    a query's output is the same bits whatever the number of tokens in its step (per_query)."""
+    B, T, H, D = q.shape
+    Hkv = k_pages.shape[2]
+    keys = jnp.asarray(k_pages)[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)  # [B, P*S, Hkv, D]
+    values = jnp.asarray(v_pages)[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)
+    scores = query_scores(q.reshape(B, T, Hkv, H // Hkv, D), keys, per_query) * (D**-0.5)  # [B, Hkv, G, T, P*S]
+    causal = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, P*S]
+    probs = jax.nn.softmax(jnp.where(causal[:, None, None], scores, -jnp.inf), axis=-1)
+    return weighted_values(probs, values, per_query).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, pages_per_block: int = PAGES_PER_BLOCK,
+                      per_query: bool = False):
     """Flash-style attention over blocks of pages, up to the last live page of the batch.
 
     q [B, T, H, D] roped; k_pages, v_pages [N, S, Hkv, D]; page_table [B, P]; positions, valid [B, T]
@@ -43,6 +78,7 @@ def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, page
     bench/results/attention-cpu.json): attention alone, 16 rows (4 of them padding) of ~100 tokens, T = 1,
     page tables for max_model_len 8192, ms for 4 / 8 / 16 pages: 0.52 / 0.36 / 0.54 at the bundled model's
     heads (H=4, Hkv=2, D=32), 2.9 / 1.4 / 3.7 at Qwen3.5-0.8B's (H=8, Hkv=2, D=256); the full table 84 and 589.
+    per_query: the products as `query_scores` and `weighted_values` make them.
     """
     B, T, H, D = q.shape
     page_size, n_kv_heads = k_pages.shape[1], k_pages.shape[2]
@@ -58,14 +94,14 @@ def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, page
         pages = jax.lax.dynamic_slice_in_dim(table, j * block, block, axis=1)  # [B, PB]
         keys = k_pages[pages].reshape(B, block_keys, n_kv_heads, D).astype(jnp.float32)  # [B, PB*S, Hkv, D]
         values = v_pages[pages].reshape(B, block_keys, n_kv_heads, D).astype(jnp.float32)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, precision=HIGHEST) * (D**-0.5)
+        scores = query_scores(q, keys, per_query) * (D**-0.5)  # [B, Hkv, G, T, PB*S]
         key_pos = j * block_keys + jnp.arange(block_keys)
         causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, PB*S]
         scores = jnp.where(causal[:, None, None], scores, MASK_VALUE)
         m_next = jnp.maximum(m, jnp.max(scores, axis=-1))
         correction = jnp.exp(m - m_next)
         p = jnp.exp(scores - m_next[..., None])
-        acc = correction[..., None] * acc + jnp.einsum("bkgts,bskd->bkgtd", p, values, precision=HIGHEST)
+        acc = correction[..., None] * acc + weighted_values(p, values, per_query)
         return m_next, correction * l + jnp.sum(p, axis=-1), acc
 
     stats = (B, n_kv_heads, H // n_kv_heads, T)
@@ -79,11 +115,12 @@ def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, page
 def choose_implementation(backend: str, n_tokens: int, n_pages: int) -> str:
     """The implementation `attend` runs for this backend ("cpu", "gpu", ...), tokens per row and page-table width.
 
-    A table of at most one block has nothing to skip: it takes the reference form, which (unlike a loop with a
-    dynamic bound) can also be differentiated, as training does over whole sequences.
+    A table of at most one block has nothing to skip: it takes the full-table form, which (unlike a loop with a
+    dynamic bound) can also be differentiated, as training does over whole sequences; on CPU with per-query sums
+    (`attend`), elsewhere as the specification.
     """
     if n_pages <= PAGES_PER_BLOCK:
-        return "reference"
+        return "full" if backend == "cpu" else "reference"
     if backend == "gpu" and n_tokens <= GPU_KERNEL_MAX_TOKENS:
         return "pallas"
     return "blocked"
@@ -93,13 +130,19 @@ def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | Non
     """Shapes as `attention_blocked`; dispatches to the implementation for this backend and shape.
 
     impl: force one of IMPLEMENTATIONS (tests and benchmarks); the kernel runs interpreted off GPU.
+    On CPU the jnp forms sum per query (`query_scores`), so that a token's attention does not depend on how many
+    tokens its step feeds: a verify step then computes what decoding steps would, bit for bit.
     """
     backend = jax.default_backend()
     impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1], page_table.shape[1])
+    per_query = backend == "cpu"
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_table, positions)
+    if impl == "full":
+        return attention_full(q, k_pages, v_pages, page_table, positions, per_query=per_query)
     if impl == "blocked":
-        return attention_blocked(q, k_pages, v_pages, page_table, positions, valid, pages_per_block=PAGES_PER_BLOCK)
+        return attention_blocked(q, k_pages, v_pages, page_table, positions, valid, pages_per_block=PAGES_PER_BLOCK,
+                                 per_query=per_query)
     if impl == "pallas":
         return paged_attention_kernel(q, k_pages, v_pages, page_table, positions, valid, interpret=backend != "gpu")
     raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")

@@ -37,7 +37,8 @@ def tile_key_heads(x: jax.Array, n_value_heads: int) -> jax.Array:
     return jnp.tile(x, (1,) * (x.ndim - 2) + (n_value_heads // n_key_heads, 1))
 
 
-def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only: bool = False):
+def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only: bool = False,
+                   n_steps: jax.Array | None = None):
     """Token-serial gated delta rule reading and writing state planes.
 
     q, k:          [B, T, Hk, Dk]  L2-normalised queries and keys
@@ -48,6 +49,13 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_o
     write_planes:  [B, T]          plane that receives the state after token t, -1 for none
     final_only:    each row writes only its final state, to the one plane >= 0 of its write_planes row (if any):
                    the scan then carries the state alone and scatters once
+    n_steps:       []  (not final_only, T <= SCAN_STATES_MAX_TOKENS) a traced count of leading tokens to run, at
+                   least every row's real tokens (the rest are padding: zero output, no state written). The loop
+                   then runs with a trip count XLA cannot see, so every T compiles the same loop body, and a token's
+                   state is the same bits in a decoding step (T = 1) as in a verify step: with a static count, XLA
+                   removes a loop of one trip and fuses the token's update into the read and scatter around it,
+                   which changed the last bits of the state (and, where activations are quantized to Q8_0, later
+                   tokens' logits). None: all T, in a scan.
     returns o [B, T, Hv, Dv] (scaled by 1/sqrt(Dk)) and the updated pool.
     """
     n_planes, n_value_heads, dk, _ = ssm_pool.shape
@@ -79,7 +87,16 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_o
             state, out = advance(state, *xs_t)
             return state, (out, state)
 
-        _, (out, states) = jax.lax.scan(emit, state, xs)  # states [T, B, Hv, Dk, Dv]
+        if n_steps is None:
+            _, (out, states) = jax.lax.scan(emit, state, xs)  # states [T, B, Hv, Dk, Dv]
+        else:
+            def step(t, carry):
+                state, out, states = carry
+                state, out_t = advance(state, *(jax.lax.dynamic_index_in_dim(x, t, keepdims=False) for x in xs))
+                return state, out.at[t].set(out_t), states.at[t].set(state)
+
+            empty = (jnp.zeros((T, B, n_value_heads, v.shape[-1]), jnp.float32), jnp.zeros((T,) + state.shape))
+            _, out, states = jax.lax.fori_loop(0, jnp.minimum(n_steps, T), step, (state, *empty))
         flat_states = jnp.swapaxes(states, 0, 1).reshape((B * T,) + states.shape[2:])
         pool = ssm_pool.at[targets.reshape(B * T)].set(flat_states.astype(ssm_pool.dtype), mode="drop")
         return time_major(out), pool
@@ -247,9 +264,10 @@ def choose_implementation(backend: str, n_tokens: int, final_only: bool) -> str:
 
 
 def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, final_only: bool = False,
-                     impl: str | None = None):
+                     impl: str | None = None, n_steps: jax.Array | None = None):
     """Shapes as `recurrent_scan`; dispatches to the implementation for this backend and shape.
 
+    n_steps: [] the most real tokens of any row (`recurrent_scan`'s n_steps; the other forms take all T).
     final_only: the caller promises each row writes at most one plane, at or after its last real token
     (a prefill chunk), which lets long inputs take the chunked form.
     impl: force one of IMPLEMENTATIONS (tests and benchmarks); Pallas kernels run interpreted off GPU.
@@ -260,7 +278,8 @@ def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, fi
         raise ValueError(f"{impl!r} writes only the final state; it needs final_only=True")
     interpret = backend != "gpu"
     if impl == "scan":
-        return recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only)
+        return recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only,
+                              n_steps=n_steps)
     if impl == "chunked":
         return chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes)
     if impl == "pallas_recurrent":

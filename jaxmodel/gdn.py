@@ -55,7 +55,8 @@ def gdn_mixer(
     q = l2_norm(conv[..., : Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
     k = l2_norm(conv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
     v = conv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dk)
-    o, ssm_pool = gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only)
+    o, ssm_pool = gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only,
+                                   n_steps=jnp.max(n_tokens))
 
     # The conv state after token t is the Kc-1 raw inputs ending at t: window[:, :, t+1 : t+Kc].
     if final_only:
