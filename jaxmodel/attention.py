@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmodel.xla_flags import step_invariant
 from jaxmodel.kernels.paged_attention import (
     HIGHEST,
     MASK_VALUE,
@@ -135,7 +136,7 @@ def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | Non
     """
     backend = jax.default_backend()
     impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1], page_table.shape[1])
-    per_query = backend == "cpu"
+    per_query = backend == "cpu" and step_invariant()
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_table, positions)
     if impl == "full":
