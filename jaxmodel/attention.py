@@ -12,18 +12,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmodel.xla_flags import step_invariant
 from jaxmodel.kernels.paged_attention import (
-    HIGHEST,
     MASK_VALUE,
     live_pages,
     paged_attention_kernel,
     paged_attention_reference,
+    query_scores,
+    weighted_values,
 )
+from jaxmodel.xla_flags import step_invariant
 
-# Implementations `attend(impl=...)` accepts: the full-table form (as the specification, and with per-query sums),
-# the jnp loop over blocks of pages, the kernel.
-IMPLEMENTATIONS = ("reference", "full", "blocked", "pallas")
+# Implementations `attend(impl=...)` accepts: the full-table form, the jnp loop over blocks of pages, the kernel.
+IMPLEMENTATIONS = ("reference", "blocked", "pallas")
 # Pages per iteration of the jnp loop, measured on CPU (see `attention_blocked`).
 PAGES_PER_BLOCK = 8
 # On GPU the kernel takes steps of up to this many query tokens per row (decode and verify); longer prefill
@@ -31,39 +31,6 @@ PAGES_PER_BLOCK = 8
 GPU_KERNEL_MAX_TOKENS = 16
 # Benchmarks set this (and PAGES_PER_BLOCK) to force an implementation in a model step; read when it is traced.
 FORCE_IMPL: str | None = None
-
-
-def query_scores(q: jax.Array, keys: jax.Array, per_query: bool) -> jax.Array:
-    """q [B, T, Hkv, G, D] . keys [B, S, Hkv, D] over D -> [B, Hkv, G, T, S] (unscaled).
-
-    per_query: each score is its D products summed by XLA's reduction, in an order that does not depend on T.
-    A dot's order does: XLA's CPU backend picks its product by the number of query rows (T x G), so a token's
-    attention differed in its last bits between a decoding step and an 8-token verify step, and where
-    activations are quantized to Q8_0 such bits can flip a rounding and change later tokens."""
-    if not per_query:
-        return jnp.einsum("btkgd,bskd->bkgts", q, keys, precision=HIGHEST)
-    return jnp.sum(jnp.transpose(q, (0, 2, 3, 1, 4))[:, :, :, :, None, :]
-                   * jnp.transpose(keys, (0, 2, 1, 3))[:, :, None, None], axis=-1)  # fmt: skip
-
-
-def weighted_values(p: jax.Array, values: jax.Array, per_query: bool) -> jax.Array:
-    """p [B, Hkv, G, T, S] . values [B, S, Hkv, D] over S -> [B, Hkv, G, T, D]; per_query as `query_scores`."""
-    if not per_query:
-        return jnp.einsum("bkgts,bskd->bkgtd", p, values, precision=HIGHEST)
-    return jnp.sum(p[..., None] * jnp.transpose(values, (0, 2, 1, 3))[:, :, None, None], axis=-2)
-
-
-def attention_full(q, k_pages, v_pages, page_table, positions, *, per_query: bool = True):
-    """`paged_attention_reference`'s full-table form (shapes as there) with `query_scores` and `weighted_values`:
-    a query's output is the same bits whatever the number of tokens in its step (per_query)."""
-    B, T, H, D = q.shape
-    Hkv = k_pages.shape[2]
-    keys = jnp.asarray(k_pages)[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)  # [B, P*S, Hkv, D]
-    values = jnp.asarray(v_pages)[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)
-    scores = query_scores(q.reshape(B, T, Hkv, H // Hkv, D), keys, per_query) * (D**-0.5)  # [B, Hkv, G, T, P*S]
-    causal = jnp.arange(keys.shape[1])[None, None, :] <= positions[:, :, None]  # [B, T, P*S]
-    probs = jax.nn.softmax(jnp.where(causal[:, None, None], scores, -jnp.inf), axis=-1)
-    return weighted_values(probs, values, per_query).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, pages_per_block: int = PAGES_PER_BLOCK,
@@ -116,12 +83,11 @@ def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, page
 def choose_implementation(backend: str, n_tokens: int, n_pages: int) -> str:
     """The implementation `attend` runs for this backend ("cpu", "gpu", ...), tokens per row and page-table width.
 
-    A table of at most one block has nothing to skip: it takes the full-table form, which (unlike a loop with a
-    dynamic bound) can also be differentiated, as training does over whole sequences; on CPU with per-query sums
-    (`attend`), elsewhere as the specification.
+    A table of at most one block has nothing to skip: it takes the reference form, which (unlike a loop with a
+    dynamic bound) can also be differentiated, as training does over whole sequences.
     """
     if n_pages <= PAGES_PER_BLOCK:
-        return "full" if backend == "cpu" else "reference"
+        return "reference"
     if backend == "gpu" and n_tokens <= GPU_KERNEL_MAX_TOKENS:
         return "pallas"
     return "blocked"
@@ -131,16 +97,15 @@ def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | Non
     """Shapes as `attention_blocked`; dispatches to the implementation for this backend and shape.
 
     impl: force one of IMPLEMENTATIONS (tests and benchmarks); the kernel runs interpreted off GPU.
-    On CPU the jnp forms sum per query (`query_scores`), so that a token's attention does not depend on how many
-    tokens its step feeds: a verify step then computes what decoding steps would, bit for bit.
+    On CPU the jnp forms sum per query (`query_scores`, unless `step_invariant()` is off), so that a token's
+    attention does not depend on how many tokens its step feeds: a verify step then computes what decoding steps
+    would, bit for bit.
     """
     backend = jax.default_backend()
     impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1], page_table.shape[1])
     per_query = backend == "cpu" and step_invariant()
     if impl == "reference":
-        return paged_attention_reference(q, k_pages, v_pages, page_table, positions)
-    if impl == "full":
-        return attention_full(q, k_pages, v_pages, page_table, positions, per_query=per_query)
+        return paged_attention_reference(q, k_pages, v_pages, page_table, positions, per_query=per_query)
     if impl == "blocked":
         return attention_blocked(q, k_pages, v_pages, page_table, positions, valid, pages_per_block=PAGES_PER_BLOCK,
                                  per_query=per_query)

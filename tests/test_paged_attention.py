@@ -174,8 +174,7 @@ def test_choose_implementation():
     assert choose_implementation("gpu", 1, wide) == "pallas"
     assert choose_implementation("gpu", attention.GPU_KERNEL_MAX_TOKENS, wide) == "pallas"
     assert choose_implementation("gpu", 128, wide) == "blocked"
-    assert choose_implementation("cpu", 1, attention.PAGES_PER_BLOCK) == "full"  # one block: nothing to skip
-    assert choose_implementation("gpu", 1, attention.PAGES_PER_BLOCK) == "reference"
+    assert choose_implementation("cpu", 1, attention.PAGES_PER_BLOCK) == "reference"  # one block: nothing to skip
 
 
 @pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)

@@ -35,7 +35,27 @@ def live_pages(positions: jax.Array, valid: jax.Array, page_size: int) -> jax.Ar
     return (last // page_size + 1).astype(jnp.int32)
 
 
-def paged_attention_reference(q, k_pages, v_pages, page_table, positions):
+def query_scores(q: jax.Array, keys: jax.Array, per_query: bool = False) -> jax.Array:
+    """q [B, T, Hkv, G, D] . keys [B, S, Hkv, D] over D -> [B, Hkv, G, T, S] (unscaled).
+
+    per_query: each score is its D products summed by XLA's reduction, in an order that does not depend on T.
+    A dot's order does: XLA's CPU backend picks its product by the number of query rows (T x G), so a token's
+    attention differed in its last bits between a decoding step and an 8-token verify step, and where
+    activations are quantized to Q8_0 such bits can flip a rounding and change later tokens."""
+    if not per_query:
+        return jnp.einsum("btkgd,bskd->bkgts", q, keys, precision=HIGHEST)
+    return jnp.sum(jnp.transpose(q, (0, 2, 3, 1, 4))[:, :, :, :, None, :]
+                   * jnp.transpose(keys, (0, 2, 1, 3))[:, :, None, None], axis=-1)  # fmt: skip
+
+
+def weighted_values(p: jax.Array, values: jax.Array, per_query: bool = False) -> jax.Array:
+    """p [B, Hkv, G, T, S] . values [B, S, Hkv, D] over S -> [B, Hkv, G, T, D]; per_query as `query_scores`."""
+    if not per_query:
+        return jnp.einsum("bkgts,bskd->bkgtd", p, values, precision=HIGHEST)
+    return jnp.sum(p[..., None] * jnp.transpose(values, (0, 2, 1, 3))[:, :, None, None], axis=-2)
+
+
+def paged_attention_reference(q, k_pages, v_pages, page_table, positions, *, per_query: bool = False):
     """The full-table form: every row gathers every page of its page table, then one masked softmax.
 
     q:           [B, T, H, D]      roped queries; query head h uses KV head h // (H / Hkv)
@@ -43,6 +63,7 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, positions):
     v_pages:     [N, S, Hkv, D]
     page_table:  [B, P] int32      page of positions [p * S, (p+1) * S)
     positions:   [B, T] int32      each query attends to keys at positions <= its own
+    per_query:   the products as `query_scores` sums them, a query's output then the same bits whatever T
     returns      [B, T, H, D] float32. Costs O(P) per row whatever the context.
     """
     B, T, H, D = q.shape
@@ -50,12 +71,12 @@ def paged_attention_reference(q, k_pages, v_pages, page_table, positions):
     keys = k_pages[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)  # [B, P*S, Hkv, D]
     values = v_pages[page_table].reshape(B, -1, Hkv, D).astype(jnp.float32)
     q = q.reshape(B, T, Hkv, H // Hkv, D)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys, precision=HIGHEST) * (D**-0.5)
+    scores = query_scores(q, keys, per_query) * (D**-0.5)  # [B, Hkv, G, T, P*S]
     key_pos = jnp.arange(keys.shape[1])
     causal = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, P*S]
     scores = jnp.where(causal[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, values, precision=HIGHEST).reshape(B, T, H, D)
+    return weighted_values(probs, values, per_query).transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
 def _paged_attention_kernel(
