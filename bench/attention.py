@@ -5,9 +5,11 @@
 Every row of a step carries the page table of a full-length sequence (max_model_len / page_size pages), so an
 attention that reads the whole table costs the maximum length rather than the context. `step` times
 `Model.step` of the bundled target at --batch rows of ~--context tokens, T = 1, for each width and each
-implementation (`reference`: the full table; `blocked:N`: the jnp loop over N pages at a time); `layer` times
-`jaxmodel.attention.attend` alone at the bundled model's head shape and at Qwen3.5-0.8B's, the last quarter of
-the rows being padding rows.
+implementation (`reference`: the full table; `blocked:N`: the jnp loop over N pages at a time; `cpu`: the CPU
+kernel); `layer` times `jaxmodel.attention.attend` alone at the bundled model's head shape and at Qwen3.5-0.8B's,
+for steps of each of --tokens tokens per row, the last quarter of the rows being padding rows.
+
+    python -m bench.attention --impls blocked:8,cpu --tokens 1,4,8 --out bench/results/attention-cpu-kernel.json
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 from jaxmodel import attention, load_model
 from jaxmodel.assets import default_model_path
 from jaxmodel.state import Row, pack_batch
+from jaxmodel.xla_flags import step_invariant
 from bench import save_json
 
 PAGE_SIZE = 16
@@ -81,20 +84,21 @@ def step_runner(model_path: str, impl: str, n_seqs: int, context: int, max_model
 
 
 def layer_runner(impl: str, n_head: int, n_head_kv: int, head_dim: int, n_rows: int, context: int,
-                 max_model_len: int) -> Callable[[], float]:
-    """`attend` alone at T = 1, the last quarter of the rows padding rows: each call returns its seconds."""
+                 max_model_len: int, n_tokens: int = 1) -> Callable[[], float]:
+    """`attend` alone at T = n_tokens (positions context..), the last quarter of the rows padding rows: each call
+    returns its seconds."""
     width = max_model_len // PAGE_SIZE
-    pages_per_seq = -(-(context + 1) // PAGE_SIZE)
+    pages_per_seq = -(-(context + n_tokens) // PAGE_SIZE)
     rng = np.random.default_rng(1)
     pool = (1 + n_rows * pages_per_seq, PAGE_SIZE, n_head_kv, head_dim)
     k_pages, v_pages = (jnp.asarray(rng.normal(size=pool), jnp.float32) for _ in range(2))
-    q = jnp.asarray(rng.normal(size=(n_rows, 1, n_head, head_dim)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(n_rows, n_tokens, n_head, head_dim)), jnp.float32)
     live = n_rows - n_rows // 4
     table = np.zeros((n_rows, width), np.int32)
     for b in range(live):
         table[b, :pages_per_seq] = np.arange(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)
-    positions = np.where(np.arange(n_rows) < live, context, 0).astype(np.int32)[:, None]
-    valid = (np.arange(n_rows) < live)[:, None]
+    positions = (np.where(np.arange(n_rows) < live, context, 0)[:, None] + np.arange(n_tokens)).astype(np.int32)
+    valid = np.repeat((np.arange(n_rows) < live)[:, None], n_tokens, axis=1)
     args = (q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(positions), jnp.asarray(valid))
     with _forced(impl):
         fn = jax.jit(lambda *a: attention.attend(*a)).trace(*args).lower().compile()  # a fresh trace
@@ -126,6 +130,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--context", type=int, default=100)
     parser.add_argument("--max-model-lens", default="512,2048,8192")
     parser.add_argument("--impls", default="reference,blocked:4,blocked:8,blocked:16")
+    parser.add_argument("--tokens", default="1", help="tokens per row of the attention-alone steps")
     parser.add_argument("--steps", type=int, default=5, help="timed calls per configuration and round")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--no-layer", action="store_true", help="skip the attention-alone section")
@@ -142,6 +147,7 @@ def main(argv=None) -> dict:
         "context": args.context,
         "page_size": PAGE_SIZE,
         "default_pages_per_block": attention.PAGES_PER_BLOCK,
+        "step_invariant": step_invariant(),
         "step": [],
         "layer": [],
     }
@@ -151,12 +157,12 @@ def main(argv=None) -> dict:
         print(f"step   {impl:12s} max_model_len {n:5d}: {ms:8.2f} ms", flush=True)
     del steps
     for shape, n_head, n_head_kv, head_dim in [] if args.no_layer else LAYER_SHAPES:
-        layers = {(impl, n): layer_runner(impl, n_head, n_head_kv, head_dim, args.batch, args.context, n)
-                  for impl in impls for n in lens}  # fmt: skip
-        for (impl, n), ms in median_ms(layers, args.rounds, args.steps).items():
+        layers = {(impl, n, T): layer_runner(impl, n_head, n_head_kv, head_dim, args.batch, args.context, n, T)
+                  for impl in impls for n in lens for T in map(int, args.tokens.split(","))}  # fmt: skip
+        for (impl, n, T), ms in median_ms(layers, args.rounds, args.steps).items():
             results["layer"].append({"shape": shape, "n_head": n_head, "n_head_kv": n_head_kv,
-                                     "head_dim": head_dim, "impl": impl, "max_model_len": n, "ms": ms})
-            print(f"layer  {shape:12s} {impl:12s} max_model_len {n:5d}: {ms:8.3f} ms", flush=True)
+                                     "head_dim": head_dim, "impl": impl, "max_model_len": n, "tokens": T, "ms": ms})
+            print(f"layer  {shape:12s} {impl:12s} max_model_len {n:5d} T {T:2d}: {ms:8.3f} ms", flush=True)
     if args.out:
         save_json(results, args.out)
     return results

@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmodel.kernels import cpu_matmul
+from jaxmodel.kernels.cpu_attention import paged_attention_cpu
 from jaxmodel.kernels.paged_attention import (
     MASK_VALUE,
     live_pages,
@@ -22,13 +24,17 @@ from jaxmodel.kernels.paged_attention import (
 )
 from jaxmodel.xla_flags import step_invariant
 
-# Implementations `attend(impl=...)` accepts: the full-table form, the jnp loop over blocks of pages, the kernel.
-IMPLEMENTATIONS = ("reference", "blocked", "pallas")
+# Implementations `attend(impl=...)` accepts: the full-table form, the jnp loop over blocks of pages, the Pallas
+# kernel, the CPU kernel.
+IMPLEMENTATIONS = ("reference", "blocked", "pallas", "cpu")
 # Pages per iteration of the jnp loop, measured on CPU (see `attention_blocked`).
 PAGES_PER_BLOCK = 8
 # On GPU the kernel takes steps of up to this many query tokens per row (decode and verify); longer prefill
 # chunks use the jnp loop, whose [T, keys] score blocks the kernel would have to hold per program.
 GPU_KERNEL_MAX_TOKENS = 16
+# On CPU the kernel (`kernels.cpu_attention`) takes steps of up to this many query tokens per row; longer prefill
+# chunks use XLA's products, which are faster where many queries share each key.
+CPU_KERNEL_MAX_TOKENS = 16
 # Benchmarks set this (and PAGES_PER_BLOCK) to force an implementation in a model step; read when it is traced.
 FORCE_IMPL: str | None = None
 
@@ -80,12 +86,16 @@ def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, page
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def choose_implementation(backend: str, n_tokens: int, n_pages: int) -> str:
-    """The implementation `attend` runs for this backend ("cpu", "gpu", ...), tokens per row and page-table width.
+def choose_implementation(backend: str, n_tokens: int, n_pages: int, cpu_kernel: bool = False) -> str:
+    """The implementation `attend` runs for this backend ("cpu", "gpu", ...), tokens per row and page-table width;
+    cpu_kernel: whether the CPU kernels are built here (`cpu_matmul.available()`).
 
-    A table of at most one block has nothing to skip: it takes the reference form, which (unlike a loop with a
-    dynamic bound) can also be differentiated, as training does over whole sequences.
+    Decode and verify steps take a kernel. Otherwise a table of at most one block has nothing to skip: it takes the
+    reference form, which (unlike a loop with a dynamic bound) can also be differentiated, as training does over
+    whole sequences.
     """
+    if backend == "cpu" and cpu_kernel and n_tokens <= CPU_KERNEL_MAX_TOKENS:
+        return "cpu"
     if n_pages <= PAGES_PER_BLOCK:
         return "reference"
     if backend == "gpu" and n_tokens <= GPU_KERNEL_MAX_TOKENS:
@@ -96,19 +106,23 @@ def choose_implementation(backend: str, n_tokens: int, n_pages: int) -> str:
 def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | None = None):
     """Shapes as `attention_blocked`; dispatches to the implementation for this backend and shape.
 
-    impl: force one of IMPLEMENTATIONS (tests and benchmarks); the kernel runs interpreted off GPU.
-    On CPU the jnp forms sum per query (`query_scores`, unless `step_invariant()` is off), so that a token's
-    attention does not depend on how many tokens its step feeds: a verify step then computes what decoding steps
-    would, bit for bit.
+    impl: force one of IMPLEMENTATIONS (tests and benchmarks); the Pallas kernel runs interpreted off GPU, the CPU
+    kernel needs the CPU backend.
+    A token's attention must not depend on how many tokens its step feeds, so that a verify step computes what
+    decoding steps would, bit for bit: the CPU kernel computes each query alone, and where it is not built the jnp
+    forms sum per query on CPU (`query_scores`, unless `step_invariant()` is off).
     """
     backend = jax.default_backend()
-    impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1], page_table.shape[1])
+    impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1], page_table.shape[1],
+                                                       backend == "cpu" and cpu_matmul.available())
     per_query = backend == "cpu" and step_invariant()
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_table, positions, per_query=per_query)
     if impl == "blocked":
         return attention_blocked(q, k_pages, v_pages, page_table, positions, valid, pages_per_block=PAGES_PER_BLOCK,
                                  per_query=per_query)
+    if impl == "cpu":
+        return paged_attention_cpu(q, k_pages, v_pages, page_table, positions, valid)
     if impl == "pallas":
         return paged_attention_kernel(q, k_pages, v_pages, page_table, positions, valid, interpret=backend != "gpu")
     raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")

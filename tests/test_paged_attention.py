@@ -13,6 +13,7 @@ import pytest
 from conftest import INTERPRET
 from jaxmodel import attention
 from jaxmodel.attention import attend, attention_blocked, choose_implementation
+from jaxmodel.kernels import cpu_matmul
 from jaxmodel.kernels.paged_attention import live_pages, paged_attention_kernel, paged_attention_reference
 from jaxmodel.layers import paged_attention
 
@@ -179,6 +180,8 @@ def test_choose_implementation():
 
 @pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
 def test_attend_runs_every_implementation(impl):
+    if impl == "cpu" and not (jax.default_backend() == "cpu" and cpu_matmul.available()):
+        pytest.skip("the CPU kernel needs the CPU backend and g++")
     case = random_case(9, starts=[30, 0], n_tokens=[2, 0], T=2, P=8)
     check_valid_tokens(attend(*map(jnp.asarray, case.args), impl=impl), case)
 

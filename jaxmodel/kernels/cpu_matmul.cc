@@ -15,17 +15,15 @@
 // tests/test_cpu_matmul.py and tests/test_cpu_q8_matmul.py.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <sched.h>
 #include <vector>
 #if defined(__FMA__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_pool.h"
 
 namespace ffi = xla::ffi;
 
@@ -101,35 +99,14 @@ void columns(const float* x, const float* w, float* out, int64_t M, int64_t K, i
   }
 }
 
-// Chunks are claimed from a shared counter, so the caller finishes alone if the pool's threads are busy; the
-// state is shared-owned because a scheduled task may start after the call has returned (it then finds no chunk).
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 // columns(n0, n1) over [0, N) in chunks of kChunk, on the pool's threads when size (bytes or products) is large
 // enough to pay for the hand-off.
 template <typename Columns>
 void over_columns(ffi::ThreadPool& pool, int64_t N, int64_t size, int64_t min_parallel_size,
                   const Columns& columns) {
   const int64_t n_chunks = (N + kChunk - 1) / kChunk;
-  const int64_t threads = pool.num_threads();
-  if (threads <= 1 || n_chunks < 2 || size < min_parallel_size) {
-    columns(0, N);
-    return;
-  }
-  auto progress = std::make_shared<Progress>();
-  auto work = [=]() {
-    int64_t finished = 0;
-    for (int64_t c; (c = progress->next.fetch_add(1)) < n_chunks; ++finished)
-      columns(c * kChunk, std::min(N, (c + 1) * kChunk));
-    progress->done.fetch_add(finished);
-  };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  for (int spins = 0; progress->done.load() < n_chunks; ++spins)
-    if (spins > 64) sched_yield();
+  gdnspec::over_chunks(pool, n_chunks, size >= min_parallel_size,
+                       [&](int64_t c) { columns(c * kChunk, std::min(N, (c + 1) * kChunk)); });
 }
 
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,

@@ -10,11 +10,12 @@
 reading a quarter of float32's bytes; `linear` uses it for every M. On the bundled Q8_0 model its logits equal
 llama.cpp's (tests/test_cpu_q8_matmul.py).
 
-The library is compiled from the source beside this file with the system's C++ compiler ($CXX, else g++) for the
-machine it runs on (-march=native), on first use or by `build()` (the Makefile's install step), into
-$GDNSPEC_KERNEL_DIR (default ~/.cache/gdnspec/kernels), named by a digest of the source, the flags, jaxlib's
-version and the CPU's features. Without a compiler, or with GDNSPEC_CPU_KERNEL=0, `available()` is False and the
-model keeps XLA's products.
+The library, these products and CPU attention (`cpu_attention`, from cpu_attention.cc), is compiled from the
+sources beside this file with the system's C++ compiler ($CXX, else g++) for the machine it runs on
+(-march=native), on first use or by `build()` (the Makefile's install step), into $GDNSPEC_KERNEL_DIR (default
+~/.cache/gdnspec/kernels), named by a digest of the sources, the flags, jaxlib's version and the CPU's features.
+Without a compiler, or with GDNSPEC_CPU_KERNEL=0, `available()` is False and the model keeps XLA's products and
+attention.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_matmul.cc")
+# The CPU kernels' sources, built into one library: the products here, attention (`cpu_attention`).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.cc", "cpu_attention.cc"))
+HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
 TARGET = "gdnspec_rows_matmul"
 TARGET_Q8 = "gdnspec_q8_rows_matmul"
+TARGET_ATTENTION = "gdnspec_paged_attention"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 ROWS_KERNEL_MAX_ROWS = 16  # above this (prefill chunks) XLA's dot on the [N, K] weight is as fast or faster
@@ -60,11 +64,11 @@ def library_path() -> Path:
     import jaxlib
 
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_features().encode(),
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_features().encode(),
                  platform.machine().encode()):
         digest.update(part)
     cache = Path(os.environ.get("GDNSPEC_KERNEL_DIR") or Path.home() / ".cache" / "gdnspec" / "kernels")
-    return cache / f"cpu_matmul-{digest.hexdigest()[:16]}.so"
+    return cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def build(path: Path | None = None) -> Path:
@@ -79,7 +83,7 @@ def build(path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -96,16 +100,17 @@ def build(path: Path | None = None) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """Whether `rows_matmul` can run here: the default backend is CPU, GDNSPEC_CPU_KERNEL is not 0, and the library
-    builds and loads (the first call registers it with XLA; a failure is logged once)."""
+    """Whether the CPU kernels (`rows_matmul`, `q8_rows_matmul`, `cpu_attention.paged_attention_cpu`) can run here:
+    the default backend is CPU, GDNSPEC_CPU_KERNEL is not 0, and the library builds and loads (the first call
+    registers it with XLA; a failure is logged once)."""
     if os.environ.get("GDNSPEC_CPU_KERNEL", "1") == "0" or jax.default_backend() != "cpu":
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(build()))
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
-        log.warning("the CPU matmul kernels are unavailable, using XLA's products on float32 weights: %s", error)
+        log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
-    for target in (TARGET, TARGET_Q8):
+    for target in (TARGET, TARGET_Q8, TARGET_ATTENTION):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 

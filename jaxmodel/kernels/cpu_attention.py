@@ -1,0 +1,37 @@
+"""Causal attention over the paged KV cache on CPU, as an XLA FFI custom call (cpu_attention.cc), for decode and
+verify steps: each query computed alone in one fixed order, so a token's attention is the same bits whatever the
+number of tokens its step feeds, and each row reads only its own live pages.
+
+Built with the other CPU kernels (`cpu_matmul.build`, `cpu_matmul.available`). `jaxmodel.attention.attend` takes it
+on CPU for steps of up to `CPU_KERNEL_MAX_TOKENS` tokens per row; the specification it is tested against is
+`paged_attention.paged_attention_reference` (tests/test_cpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .cpu_matmul import TARGET_ATTENTION
+
+
+def paged_attention_cpu(q, k_pages, v_pages, page_table, positions, valid):
+    """Causal attention over the paged KV cache, by the CPU kernel (requires `cpu_matmul.available()`).
+
+    q:           [B, T, H, D]     roped queries; query head h uses KV head h // (H / Hkv)
+    k_pages:     [N, S, Hkv, D]   the pool (this step's K/V already written), S = page_size, float32
+    v_pages:     [N, S, Hkv, D]
+    page_table:  [B, P] int32     page of positions [p * S, (p+1) * S); only live pages are read
+    positions:   [B, T] int32     each query attends to keys at positions <= its own
+    valid:       [B, T] bool      False for padding tokens (their output is 0)
+    returns      [B, T, H, D] float32, equal to the reference on valid tokens; query (b, t, h) depends on its own
+                 q, position and row's pages only, summed in the same order for every T.
+    A position past the page table, or a live table entry outside the pool, fails the call with a message.
+    """
+    B, T, H, D = q.shape
+    if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
+        raise ValueError(f"paged_attention_cpu takes float32 pages; got {k_pages.dtype}, {v_pages.dtype}")
+    qpos = jnp.where(valid, positions, -1).astype(jnp.int32)  # [B, T]
+    out = jax.ShapeDtypeStruct((B, T, H, D), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_ATTENTION, out, vmap_method="sequential")(
+        q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), qpos)

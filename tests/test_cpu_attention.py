@@ -1,0 +1,91 @@
+"""The CPU attention kernel against the full-table reference: shapes, padding, the pages it reads, a query's
+independence of its step's length, its errors, and `attend`'s choice of it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmodel import attention
+from jaxmodel.attention import CPU_KERNEL_MAX_TOKENS, choose_implementation
+from jaxmodel.kernels import cpu_matmul
+from jaxmodel.kernels.cpu_attention import paged_attention_cpu
+from jaxmodel.kernels.paged_attention import paged_attention_reference
+from test_paged_attention import CASES, check_valid_tokens, poison_unread, random_case
+
+needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason="the CPU kernel needs the CPU backend and g++")
+run = jax.jit(paged_attention_cpu)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_matches_reference(name):
+    starts, n_tokens, T, P, H, Hkv, D = CASES[name]
+    case = random_case(len(name), starts=starts, n_tokens=n_tokens, T=T, P=P, H=H, Hkv=Hkv, D=D)
+    out = np.asarray(run(*case.args))
+    check_valid_tokens(out, case)
+    np.testing.assert_array_equal(out[~case.valid], 0.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("H,Hkv,D", [(6, 3, 20), (8, 2, 256), (2, 1, 7)])
+def test_kernel_matches_reference_at_other_head_shapes(H, Hkv, D):
+    """Three query heads per KV head, the 0.8B's heads, a head size that is not a whole number of vector lanes."""
+    case = random_case(3, starts=[0, 33, 70], n_tokens=[1, 4, 3], T=4, P=8, H=H, Hkv=Hkv, D=D)
+    check_valid_tokens(run(*case.args), case)
+
+
+@needs_kernel
+def test_kernel_reads_only_each_rows_own_live_pages():
+    """NaN in every page past each row's last live page (a longer row's range and stale table entries included)."""
+    case = random_case(8, starts=[95, 20, 0], n_tokens=[1, 2, 0], T=2, P=32)
+    poisoned = poison_unread(case, 1, per_row=True)
+    check_valid_tokens(run(*poisoned.args), case)
+
+
+@needs_kernel
+@pytest.mark.parametrize("H,Hkv,D", [(4, 2, 32), (8, 2, 256)])
+def test_a_query_is_the_same_bits_in_a_step_of_any_length(H, Hkv, D):
+    """Token t's output when its step feeds it alone equals its output inside a step of 8 tokens, bit for bit, and
+    does not depend on the other rows: what makes a verify step reproduce decoding steps."""
+    case = random_case(11, starts=[40, 9], n_tokens=[8, 8], T=8, P=8, H=H, Hkv=Hkv, D=D)
+    whole = np.asarray(run(*case.args))  # [B, T, H, D]
+    for t in range(8):
+        alone = np.asarray(run(case.q[:, t : t + 1], case.k_pages, case.v_pages, case.page_table,
+                               case.positions[:, t : t + 1], case.valid[:, t : t + 1]))  # fmt: skip
+        np.testing.assert_array_equal(alone[:, 0], whole[:, t])
+    first_row = np.asarray(run(case.q[:1], case.k_pages, case.v_pages, case.page_table[:1], case.positions[:1],
+                               case.valid[:1]))  # fmt: skip
+    np.testing.assert_array_equal(first_row[0], whole[0])
+
+
+@needs_kernel
+def test_kernel_refuses_positions_past_the_table_and_pages_outside_the_pool():
+    case = random_case(5, starts=[20], n_tokens=[1], T=1, P=4)
+    past = case.positions.copy()
+    past[0, 0] = 4 * 16  # the table covers positions < 64
+    with pytest.raises(Exception, match="a position is past the page table"):
+        np.asarray(run(case.q, case.k_pages, case.v_pages, case.page_table, past, case.valid))
+    table = case.page_table.copy()
+    table[0, 1] = len(case.k_pages)  # position 20 lives on page 1
+    with pytest.raises(Exception, match="a live page-table entry is outside the pool"):
+        np.asarray(run(case.q, case.k_pages, case.v_pages, table, case.positions, case.valid))
+    with pytest.raises(ValueError, match="float32 pages"):
+        paged_attention_cpu(case.q, case.k_pages.astype(np.float16), case.v_pages, case.page_table, case.positions,
+                            case.valid)
+
+
+@needs_kernel
+def test_attend_takes_the_kernel_for_decode_and_verify_steps_on_cpu():
+    wide = 4 * attention.PAGES_PER_BLOCK
+    assert choose_implementation("cpu", 1, wide, cpu_kernel=True) == "cpu"
+    assert choose_implementation("cpu", CPU_KERNEL_MAX_TOKENS, 2, cpu_kernel=True) == "cpu"
+    assert choose_implementation("cpu", CPU_KERNEL_MAX_TOKENS + 1, wide, cpu_kernel=True) == "blocked"
+    assert choose_implementation("gpu", 1, wide, cpu_kernel=True) == "pallas"
+    case = random_case(12, starts=[30, 0], n_tokens=[2, 0], T=2, P=8)
+    traced = jax.jit(attention.attend).trace(*map(jnp.asarray, case.args)).lower().as_text()
+    assert cpu_matmul.TARGET_ATTENTION in traced
+    np.testing.assert_allclose(np.asarray(attention.attend(*case.args))[case.valid],
+                               np.asarray(paged_attention_reference(*case.args[:5]))[case.valid], atol=1e-5, rtol=1e-5)
