@@ -5,11 +5,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test bench peer gpu-check clean
 
-$(STAMP): pyproject.toml jaxmodel/kernels/cpu_matmul.cc
+$(STAMP): pyproject.toml $(wildcard jaxmodel/kernels/*.cc jaxmodel/kernels/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,bench]'
-	$(BIN)/python -c "from jaxmodel.kernels import cpu_matmul; print('CPU kernel:', cpu_matmul.build())" \
+	$(BIN)/python -c "from jaxmodel.kernels import cpu_matmul; print('CPU kernels:', cpu_matmul.build())" \
 		|| echo "CPU kernel not built (no C++ compiler?): the model uses XLA's products"
 	touch $(STAMP)
 
