@@ -37,6 +37,15 @@ def tile_key_heads(x: jax.Array, n_value_heads: int) -> jax.Array:
     return jnp.tile(x, (1,) * (x.ndim - 2) + (n_value_heads // n_key_heads, 1))
 
 
+def advance_state(state, k_t, v_t, g_t, beta_t):
+    """One token of the gated delta rule: state [B, Hv, Dk, Dv], k_t [B, Hv, Dk], v_t [B, Hv, Dv], g_t and beta_t
+    [B, Hv] -> the state after it. A token with g = beta = 0 leaves the state alone, bit for bit."""
+    state = state * jnp.exp(g_t)[..., None, None]
+    recalled = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=_HIGHEST)
+    delta = beta_t[..., None] * (v_t - recalled)
+    return state + k_t[..., :, None] * delta[..., None, :]
+
+
 def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only: bool = False,
                    n_steps: jax.Array | None = None):
     """Token-serial gated delta rule reading and writing state planes.
@@ -67,10 +76,7 @@ def recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_o
     state = read_planes(ssm_pool, read_plane).astype(jnp.float32)  # [B, Hv, Dk, Dv]
 
     def advance(state, q_t, k_t, v_t, g_t, beta_t):  # [B, Hv, Dk, Dv], [B, Hv, Dk] x2, [B, Hv, Dv], [B, Hv] x2
-        state = state * jnp.exp(g_t)[..., None, None]
-        recalled = jnp.einsum("bhkv,bhk->bhv", state, k_t, precision=_HIGHEST)
-        delta = beta_t[..., None] * (v_t - recalled)
-        state = state + k_t[..., :, None] * delta[..., None, :]
+        state = advance_state(state, k_t, v_t, g_t, beta_t)
         return state, jnp.einsum("bhkv,bhk->bhv", state, q_t, precision=_HIGHEST)
 
     time_major = lambda x: jnp.moveaxis(x, 1, 0)
@@ -221,27 +227,28 @@ def chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, chunk_
     return out, ssm_pool.at[target].set(final.astype(ssm_pool.dtype), mode="drop")
 
 
-def advance_states(k, v, g, beta, state):
+def advance_states(k, v, g, beta, state, n_steps):
     """Advance each row's state by a few tokens of the delta rule (replay's rebuild).
 
     k:       [B, n, Hk, Dk]  L2-normalised keys
     v:       [B, n, Hv, Dv]
     g, beta: [B, n, Hv]      a token with g = beta = 0 leaves the state alone
     state:   [B, Hv, Dk, Dv]
+    n_steps: []              a traced count of leading tokens to run, at least every row's kept tokens
     returns the advanced states [B, Hv, Dk, Dv] float32.
 
-    The n tokens as one chunk of the chunked form: S_n = exp(G_n) S + k_to_end^T (u - w S), one product against
-    the state and a rank-n update, where the token-serial scan reads and writes the whole state once per token.
-    The update is n outer products summed elementwise: XLA's CPU dot is slow at a contraction of a few."""
-    n_value_heads, n = state.shape[1], k.shape[1]
-    pad = (1 << max(n - 1, 0).bit_length()) - n  # identity tokens up to a power of two
-    per_head = lambda x: jnp.swapaxes(jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)),
-                                      1, 2)  # [B, n, H, ...] -> [B, H, C, ...]
-    k = per_head(tile_key_heads(k, n_value_heads))  # [B, Hv, C, Dk]
-    _, _, u, w, k_to_end, decay = _wy_terms(k, per_head(v), per_head(g), per_head(beta))
-    state = state.astype(jnp.float32)
-    deltas = u - jnp.einsum("bhck,bhkv->bhcv", w, state, precision=_HIGHEST)  # [B, Hv, C, Dv]
-    return decay * state + sum(k_to_end[..., c, :, None] * deltas[..., c, None, :] for c in range(n))
+    Token by token, as `recurrent_scan` runs in a decoding step (`advance_state`, in a loop whose trip count XLA
+    cannot see): the rebuilt state is then the bits decoding would have written, so a sequence rolled back by
+    replay goes on exactly as a plain one. The chunked form's one product against the state (S_n = exp(G_n) S +
+    k_to_end^T (u - w S)) was cheaper but differed in the last bits from the token-serial state, which Q8_0's
+    activation rounding can turn into another token (tests/test_step_invariance.py)."""
+    k = tile_key_heads(k, state.shape[1])
+    xs = tuple(jnp.moveaxis(x.astype(jnp.float32), 1, 0) for x in (k, v, g, beta))  # [n, B, ...]
+
+    def step(t, state):
+        return advance_state(state, *(jax.lax.dynamic_index_in_dim(x, t, keepdims=False) for x in xs))
+
+    return jax.lax.fori_loop(0, jnp.minimum(n_steps, k.shape[1]), step, state.astype(jnp.float32))
 
 
 def choose_implementation(backend: str, n_tokens: int, final_only: bool) -> str:

@@ -87,9 +87,9 @@ def gdn_rebuild(
     """Advance the state in `source` (the state before the row's first recorded token) by the first n_keep[b]
     recorded tokens of slot[b], in every GDN layer, and write it to `target`: the conv over the recorded raw
     inputs gives k and v again (the projections are not recomputed), then the delta rule, with g = beta = 0 past
-    n_keep (which leaves the state alone), advances each state (`delta_rule.advance_states`: one product against
-    the state, not one per token). The conv and the delta rule run for all layers as one batch of L x B rows.
-    Returns both pools of every layer."""
+    n_keep (which leaves the state alone), advances each state token by token as decoding does
+    (`delta_rule.advance_states`), so the rebuilt state is the bits decoding would have written. The conv and the
+    delta rule run for all layers as one batch of L x B rows. Returns both pools of every layer."""
     L, B = len(ws), target.shape[0]
     n = replay_pools[0].shape[1]
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
@@ -109,7 +109,7 @@ def gdn_rebuild(
     # (at a rebuild's sizes XLA's CPU runtime spends more on launching operations than on them).
     flat = lambda x: x.reshape((L * B,) + x.shape[2:])
     states = jnp.stack([read_planes(pool, source) for pool in ssm_pools])  # [L, B, Hv, Dk, Dv]
-    states = advance_states(flat(k), flat(v), flat(g), flat(beta), flat(states)).reshape(states.shape)
+    states = advance_states(flat(k), flat(v), flat(g), flat(beta), flat(states), jnp.max(n_keep)).reshape(states.shape)
     ssm_pools = [scatter_planes(pool, target, states[j]) for j, pool in enumerate(ssm_pools)]
     after = jax.vmap(jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t, Kc - 1, axis=1), (0, 0)),
                      (0, None))(window, n_keep)  # [L, B, C, Kc-1]

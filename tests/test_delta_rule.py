@@ -89,7 +89,7 @@ def test_advance_states_matches_reference(n_tokens):
     padding = np.arange(n_tokens)[None, :] >= n_keep[:, None]
     g[padding], beta[padding] = 0.0, 0.0
     state = rng.normal(size=(4, 4, 16, 16)).astype(np.float32)
-    advanced = np.asarray(jax.jit(advance_states)(k, v, g, beta, state))
+    advanced = np.asarray(jax.jit(advance_states)(k, v, g, beta, state, np.int32(n_keep.max())))
     ref = delta_rule_reference(k, k, v, g, beta, state)
     tol = tolerance(n_tokens)
     np.testing.assert_allclose(advanced, ref.final_state, atol=tol, rtol=tol)

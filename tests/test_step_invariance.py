@@ -16,7 +16,7 @@ import pytest
 from jaxmodel.attention import attend
 from jaxmodel.gguf_io import write_gguf
 from jaxmodel.kernels import cpu_matmul
-from jaxmodel.model import load_model
+from jaxmodel.model import Record, load_model, rebuild
 from jaxmodel.random_model import PRESETS, random_weights
 from jaxmodel.state import Row, bucket, pack_batch
 
@@ -61,19 +61,45 @@ def test_a_tokens_state_and_hidden_do_not_depend_on_its_steps_length(model):
             np.testing.assert_array_equal(got, want, err_msg=f"{name}, steps of {T} tokens against steps of 1")
 
 
-def test_a_querys_attention_does_not_depend_on_its_steps_length():
-    """attend over pages for the last query of a step of 1 and of 8 tokens: the same bits, in the full-table form
-    and the blocked loop (a table wider than one block)."""
+def test_replays_rebuilt_state_is_the_state_decoding_computes(model):
+    """Replay rollback (docs/design.md "Rollback") rebuilds a row's state from the inputs a verify step recorded:
+    for every number of kept tokens, its GDN state and conv planes are the bits that decoding one token per step
+    writes, or a replayed sequence would go on from another state than a plain one."""
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, model.cfg.n_vocab, 12)]
+    _, ssm_one, conv_one, _ = _fed_in_steps(model, tokens, 1)
+    n, start = 4, 8
+    pages = [1]
+    state = model.new_state(n_pages=2, n_planes=4, page_size=PAGE_SIZE, replay_slots=1, replay_tokens=n)
+    prefix = pack_batch([Row(tokens[:start], 0, pages, 0, [-1] * (start - 1) + [1], [start - 1])])
+    _, state = model.step(model.weights, batch=prefix, state=state)  # plane 1: the state after token start-1
+    verify = pack_batch([Row(tokens[start:], start, pages, 1, [-1] * n, range(n))])
+    record = Record(slot=jnp.zeros((1,), jnp.int32), first=jnp.zeros((1,), jnp.int32))
+    _, state = model.step(model.weights, batch=verify, state=state, record=record)
+    for n_keep in range(1, n + 1):
+        state = rebuild(model.weights, model.cfg, state, source=jnp.asarray([1]), target=jnp.asarray([2]),
+                        slot=jnp.asarray([0]), n_keep=jnp.asarray([n_keep]),
+                        hidden=jnp.zeros((1, model.cfg.n_embd), jnp.float32))  # fmt: skip
+        token = start + n_keep - 1
+        np.testing.assert_array_equal(np.asarray(state.ssm[0][2]), ssm_one[token], err_msg=f"ssm, {n_keep} kept")
+        np.testing.assert_array_equal(np.asarray(state.conv[0][2]), conv_one[token], err_msg=f"conv, {n_keep} kept")
+
+
+@pytest.mark.parametrize("impl", ["reference", "blocked", "cpu"])
+def test_a_querys_attention_does_not_depend_on_its_steps_length(impl):
+    """attend over pages for the last query of a step of 1 and of 8 tokens: the same bits, in the full-table form,
+    the blocked loop (a table wider than one block) and the CPU kernel."""
+    if impl == "cpu" and not cpu_matmul.available():
+        pytest.skip("the CPU kernel needs the CPU backend and g++")
     rng = np.random.default_rng(1)
     B, H, Hkv, D, n_pages = 1, 8, 2, 256, 12
     k_pages = jnp.asarray(rng.standard_normal((n_pages + 1, PAGE_SIZE, Hkv, D), np.float32))
     v_pages = jnp.asarray(rng.standard_normal((n_pages + 1, PAGE_SIZE, Hkv, D), np.float32))
     q = jnp.asarray(rng.standard_normal((B, 8, H, D), np.float32))
     last = 100
-    for width in (4, n_pages):  # full table, blocked
-        table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
-        positions = jnp.arange(last - 7, last + 1, dtype=jnp.int32)[None] % (width * PAGE_SIZE)
-        valid = jnp.ones((B, 8), bool)
-        eight = attend(q, k_pages, v_pages, table, positions, valid)[0, -1]
-        one = attend(q[:, -1:], k_pages, v_pages, table, positions[:, -1:], valid[:, -1:])[0, 0]
-        np.testing.assert_array_equal(np.asarray(eight), np.asarray(one), err_msg=f"table of {width} pages")
+    width = 4 if impl == "reference" else n_pages
+    table = jnp.arange(1, width + 1, dtype=jnp.int32)[None]
+    positions = jnp.arange(last - 7, last + 1, dtype=jnp.int32)[None] % (width * PAGE_SIZE)
+    valid = jnp.ones((B, 8), bool)
+    eight = attend(q, k_pages, v_pages, table, positions, valid, impl=impl)[0, -1]
+    one = attend(q[:, -1:], k_pages, v_pages, table, positions[:, -1:], valid[:, -1:], impl=impl)[0, 0]
+    np.testing.assert_array_equal(np.asarray(eight), np.asarray(one), err_msg=f"table of {width} pages")
