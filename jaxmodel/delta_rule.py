@@ -10,12 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmodel.kernels import cpu_matmul
+from jaxmodel.kernels.cpu_gdn import gdn_recurrent_cpu
 from jaxmodel.kernels.gdn_chunked import gdn_chunked
 from jaxmodel.kernels.gdn_recurrent import gdn_recurrent
-from jaxmodel.state import read_planes
+from jaxmodel.state import read_planes, scatter_planes
 
 # Implementations `gated_delta_rule(impl=...)` accepts; the chunked ones require final_only.
-IMPLEMENTATIONS = ("scan", "chunked", "pallas_recurrent", "pallas_chunked")
+IMPLEMENTATIONS = ("scan", "chunked", "pallas_recurrent", "pallas_chunked", "cpu")
 # On CPU the jnp chunked form beats `recurrent_scan` from about this many tokens at real model shapes
 # (measured, see `choose_implementation`).
 CPU_CHUNKED_MIN_TOKENS = 64
@@ -251,8 +253,40 @@ def advance_states(k, v, g, beta, state, n_steps):
     return jax.lax.fori_loop(0, jnp.minimum(n_steps, k.shape[1]), step, state.astype(jnp.float32))
 
 
-def choose_implementation(backend: str, n_tokens: int, final_only: bool) -> str:
-    """The implementation `gated_delta_rule` runs for this backend ("cpu", "gpu", ...) and shape.
+def rebuild_states(k, v, g, beta, ssm_pools, source, target, n_keep):
+    """Replay's rebuild of every GDN layer's state: each row's `source` plane advanced by its first n_keep tokens,
+    written to its `target` plane (-1: none), the way the step's own implementation advances a state, so that the
+    rebuilt state is the bits decoding writes (the CPU kernel where the steps take it, else `advance_states`).
+
+    k:          [L, B, n, Hk, Dk]  L2-normalised keys of the recorded tokens, per layer
+    v:          [L, B, n, Hv, Dv]
+    g, beta:    [L, B, n, Hv]      0 past n_keep
+    ssm_pools:  L pools [N, Hv, Dk, Dv]
+    source, target, n_keep: [B]
+    returns the L pools."""
+    L, B, n = k.shape[:3]
+    if jax.default_backend() == "cpu" and cpu_matmul.available():
+        writes = jnp.where(jnp.arange(n)[None, :] == n_keep[:, None] - 1, target[:, None], -1)  # [B, n]
+        unmoved = jnp.where(n_keep == 0, target, -1)  # rows keeping nothing: the source state itself
+        pools = []
+        for j, pool in enumerate(ssm_pools):
+            _, pool = gdn_recurrent_cpu(jnp.zeros_like(k[j]), k[j], v[j], g[j], beta[j], pool, source, writes, n_keep)
+            pools.append(scatter_planes(pool, unmoved, read_planes(pool, source)))
+        return pools
+    # Every layer's states advance as one batch of L x B rows: a few large operations rather than a few per layer
+    # (at a rebuild's sizes XLA's CPU runtime spends more on launching operations than on them).
+    flat = lambda x: x.reshape((L * B,) + x.shape[2:])
+    states = jnp.stack([read_planes(pool, source) for pool in ssm_pools])  # [L, B, Hv, Dk, Dv]
+    states = advance_states(flat(k), flat(v), flat(g), flat(beta), flat(states), jnp.max(n_keep)).reshape(states.shape)
+    return [scatter_planes(pool, target, states[j]) for j, pool in enumerate(ssm_pools)]
+
+
+def choose_implementation(backend: str, n_tokens: int, final_only: bool, cpu_kernel: bool = False) -> str:
+    """The implementation `gated_delta_rule` runs for this backend ("cpu", "gpu", ...) and shape; cpu_kernel:
+    whether the CPU kernels are built here (`cpu_matmul.available()`). On CPU the kernel (`kernels.cpu_gdn`) takes
+    decode and verify steps (up to SCAN_STATES_MAX_TOKENS tokens per row; replay's rebuild takes it too); longer steps
+    keep XLA's forms, whose results on the bundled Q8_0 model equal llama.cpp's to 1e-5
+    (`tests/test_cpu_q8_matmul.py`), where the kernel's summation order puts a 32-token batch's logits 2e-3 apart.
 
     CPU threshold, measured on this project's shared 2-core machine (B=1, final_only, median of 15, noisy):
       Hk=8, Hv=16, Dk=Dv=128   T=16: scan 1.8 ms, chunked (C=32) 1.6 ms; T=32: 3.4 / 1.8; T=64: 5.9 / 4.0;
@@ -267,20 +301,23 @@ def choose_implementation(backend: str, n_tokens: int, final_only: bool) -> str:
     """
     if backend == "gpu":
         return "chunked" if final_only and n_tokens >= GPU_CHUNKED_MIN_TOKENS else "pallas_recurrent"
-    return "chunked" if final_only and n_tokens >= CPU_CHUNKED_MIN_TOKENS else "scan"
+    if final_only and n_tokens >= CPU_CHUNKED_MIN_TOKENS:
+        return "chunked"
+    return "cpu" if backend == "cpu" and cpu_kernel and n_tokens <= SCAN_STATES_MAX_TOKENS else "scan"
 
 
 def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, final_only: bool = False,
-                     impl: str | None = None, n_steps: jax.Array | None = None):
+                     impl: str | None = None, n_steps: jax.Array | None = None, n_tokens: jax.Array | None = None):
     """Shapes as `recurrent_scan`; dispatches to the implementation for this backend and shape.
 
     n_steps: [] the most real tokens of any row (`recurrent_scan`'s n_steps; the other forms take all T).
+    n_tokens: [B] each row's real tokens (the CPU kernel skips the padding after them; None: all T).
     final_only: the caller promises each row writes at most one plane, at or after its last real token
     (a prefill chunk), which lets long inputs take the chunked form.
     impl: force one of IMPLEMENTATIONS (tests and benchmarks); Pallas kernels run interpreted off GPU.
     """
     backend = jax.default_backend()
-    impl = impl or choose_implementation(backend, q.shape[1], final_only)
+    impl = impl or choose_implementation(backend, q.shape[1], final_only, backend == "cpu" and cpu_matmul.available())
     if impl in ("chunked", "pallas_chunked") and not final_only:
         raise ValueError(f"{impl!r} writes only the final state; it needs final_only=True")
     interpret = backend != "gpu"
@@ -291,6 +328,12 @@ def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, fi
         return chunked_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes)
     if impl == "pallas_recurrent":
         return gdn_recurrent(q, k, v, g, beta, ssm_pool, read_plane, write_planes, interpret=interpret)
+    if impl == "cpu":
+        # final_only rows may name their plane at a padding token (after their last real one): run every token,
+        # padding ones leaving the state alone (g = beta = 0).
+        everything = n_tokens is None or final_only
+        return gdn_recurrent_cpu(q, k, v, g, beta, ssm_pool, read_plane, write_planes,
+                                 jnp.full(read_plane.shape, q.shape[1], jnp.int32) if everything else n_tokens)
     if impl == "pallas_chunked":
         return gdn_chunked(q, k, v, g, beta, ssm_pool, read_plane, write_planes, interpret=interpret)
     raise ValueError(f"unknown implementation {impl!r}; expected one of {IMPLEMENTATIONS}")

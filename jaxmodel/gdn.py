@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .delta_rule import advance_states, gated_delta_rule
+from .delta_rule import gated_delta_rule, rebuild_states
 from .layers import l2_norm, linear, project, rms_norm
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
@@ -57,7 +57,7 @@ def gdn_mixer(
     k = l2_norm(conv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
     v = conv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dk)
     o, ssm_pool = gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only,
-                                   n_steps=jnp.max(n_tokens) if step_invariant() else None)
+                                   n_steps=jnp.max(n_tokens) if step_invariant() else None, n_tokens=n_tokens)
 
     # The conv state after token t is the Kc-1 raw inputs ending at t: window[:, :, t+1 : t+Kc].
     if final_only:
@@ -88,8 +88,8 @@ def gdn_rebuild(
     recorded tokens of slot[b], in every GDN layer, and write it to `target`: the conv over the recorded raw
     inputs gives k and v again (the projections are not recomputed), then the delta rule, with g = beta = 0 past
     n_keep (which leaves the state alone), advances each state token by token as decoding does
-    (`delta_rule.advance_states`), so the rebuilt state is the bits decoding would have written. The conv and the
-    delta rule run for all layers as one batch of L x B rows. Returns both pools of every layer."""
+    (`delta_rule.rebuild_states`), so the rebuilt state is the bits decoding would have written. The conv runs for
+    all layers as one batch of L x B rows. Returns both pools of every layer."""
     L, B = len(ws), target.shape[0]
     n = replay_pools[0].shape[1]
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
@@ -105,12 +105,7 @@ def gdn_rebuild(
     kv = jax.nn.silu(jnp.einsum("lbctk,lck->lbtc", taps, jnp.stack([w.conv[Hk * Dk :] for w in ws])))
     k = l2_norm(kv[..., : Hk * Dk].reshape(L, B, n, Hk, Dk), cfg.norm_eps)
     v = kv[..., Hk * Dk :].reshape(L, B, n, Hv, Dk)
-    # Every layer's states advance as one batch of L x B rows: a few large operations rather than a few per layer
-    # (at a rebuild's sizes XLA's CPU runtime spends more on launching operations than on them).
-    flat = lambda x: x.reshape((L * B,) + x.shape[2:])
-    states = jnp.stack([read_planes(pool, source) for pool in ssm_pools])  # [L, B, Hv, Dk, Dv]
-    states = advance_states(flat(k), flat(v), flat(g), flat(beta), flat(states), jnp.max(n_keep)).reshape(states.shape)
-    ssm_pools = [scatter_planes(pool, target, states[j]) for j, pool in enumerate(ssm_pools)]
+    ssm_pools = rebuild_states(k, v, g, beta, ssm_pools, source, target, n_keep)
     after = jax.vmap(jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t, Kc - 1, axis=1), (0, 0)),
                      (0, None))(window, n_keep)  # [L, B, C, Kc-1]
     return [scatter_planes(pool, target, after[j]) for j, pool in enumerate(conv_pools)], ssm_pools

@@ -10,7 +10,8 @@
 reading a quarter of float32's bytes; `linear` uses it for every M. On the bundled Q8_0 model its logits equal
 llama.cpp's (tests/test_cpu_q8_matmul.py).
 
-The library, these products and CPU attention (`cpu_attention`, from cpu_attention.cc), is compiled from the
+The library, these products, CPU attention (`cpu_attention`, from cpu_attention.cc) and the gated delta rule
+(`cpu_gdn`, from cpu_gdn.cc), is compiled from the
 sources beside this file with the system's C++ compiler ($CXX, else g++) for the machine it runs on
 (-march=native), on first use or by `build()` (the Makefile's install step), into $GDNSPEC_KERNEL_DIR (default
 ~/.cache/gdnspec/kernels), named by a digest of the sources, the flags, jaxlib's version and the CPU's features.
@@ -36,12 +37,14 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-# The CPU kernels' sources, built into one library: the products here, attention (`cpu_attention`).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.cc", "cpu_attention.cc"))
+# The CPU kernels' sources, built into one library: the products here, attention (`cpu_attention`), the gated
+# delta rule (`cpu_gdn`).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_gdn.cc"))
 HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
 TARGET = "gdnspec_rows_matmul"
 TARGET_Q8 = "gdnspec_q8_rows_matmul"
 TARGET_ATTENTION = "gdnspec_paged_attention"
+TARGET_GDN = "gdnspec_gdn_recurrent"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 ROWS_KERNEL_MAX_ROWS = 16  # above this (prefill chunks) XLA's dot on the [N, K] weight is as fast or faster
@@ -100,7 +103,8 @@ def build(path: Path | None = None) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """Whether the CPU kernels (`rows_matmul`, `q8_rows_matmul`, `cpu_attention.paged_attention_cpu`) can run here:
+    """Whether the CPU kernels (`rows_matmul`, `q8_rows_matmul`, `cpu_attention.paged_attention_cpu`,
+    `cpu_gdn.gdn_recurrent_cpu`) can run here:
     the default backend is CPU, GDNSPEC_CPU_KERNEL is not 0, and the library builds and loads (the first call
     registers it with XLA; a failure is logged once)."""
     if os.environ.get("GDNSPEC_CPU_KERNEL", "1") == "0" or jax.default_backend() != "cpu":
@@ -110,7 +114,7 @@ def available() -> bool:
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
         log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
-    for target in (TARGET, TARGET_Q8, TARGET_ATTENTION):
+    for target in (TARGET, TARGET_Q8, TARGET_ATTENTION, TARGET_GDN):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 
