@@ -266,13 +266,12 @@ def rebuild_states(k, v, g, beta, ssm_pools, source, target, n_keep):
     returns the L pools."""
     L, B, n = k.shape[:3]
     if jax.default_backend() == "cpu" and cpu_matmul.available():
-        writes = jnp.where(jnp.arange(n)[None, :] == n_keep[:, None] - 1, target[:, None], -1)  # [B, n]
-        unmoved = jnp.where(n_keep == 0, target, -1)  # rows keeping nothing: the source state itself
-        pools = []
-        for j, pool in enumerate(ssm_pools):
-            _, pool = gdn_recurrent_cpu(jnp.zeros_like(k[j]), k[j], v[j], g[j], beta[j], pool, source, writes, n_keep)
-            pools.append(scatter_planes(pool, unmoved, read_planes(pool, source)))
-        return pools
+        # A row keeping nothing runs its first token, which g = beta = 0 makes leave the state alone (bit for bit),
+        # and writes the source state so.
+        last = jnp.maximum(n_keep, 1)  # [B]
+        writes = jnp.where(jnp.arange(n)[None, :] == last[:, None] - 1, target[:, None], -1)  # [B, n]
+        return [gdn_recurrent_cpu(jnp.zeros_like(k[j]), k[j], v[j], g[j], beta[j], pool, source, writes, last)[1]
+                for j, pool in enumerate(ssm_pools)]
     # Every layer's states advance as one batch of L x B rows: a few large operations rather than a few per layer
     # (at a rebuild's sizes XLA's CPU runtime spends more on launching operations than on them).
     flat = lambda x: x.reshape((L * B,) + x.shape[2:])

@@ -63,8 +63,8 @@ def test_a_tokens_state_and_hidden_do_not_depend_on_its_steps_length(model):
 
 def test_replays_rebuilt_state_is_the_state_decoding_computes(model):
     """Replay rollback (docs/design.md "Rollback") rebuilds a row's state from the inputs a verify step recorded:
-    for every number of kept tokens, its GDN state and conv planes are the bits that decoding one token per step
-    writes, or a replayed sequence would go on from another state than a plain one."""
+    for every number of kept tokens (none included), its GDN state and conv planes are the bits that decoding one
+    token per step writes, or a replayed sequence would go on from another state than a plain one."""
     tokens = [int(t) for t in np.random.default_rng(2).integers(0, model.cfg.n_vocab, 12)]
     _, ssm_one, conv_one, _ = _fed_in_steps(model, tokens, 1)
     n, start = 4, 8
@@ -75,7 +75,7 @@ def test_replays_rebuilt_state_is_the_state_decoding_computes(model):
     verify = pack_batch([Row(tokens[start:], start, pages, 1, [-1] * n, range(n))])
     record = Record(slot=jnp.zeros((1,), jnp.int32), first=jnp.zeros((1,), jnp.int32))
     _, state = model.step(model.weights, batch=verify, state=state, record=record)
-    for n_keep in range(1, n + 1):
+    for n_keep in range(n + 1):  # 0: the source state itself
         state = rebuild(model.weights, model.cfg, state, source=jnp.asarray([1]), target=jnp.asarray([2]),
                         slot=jnp.asarray([0]), n_keep=jnp.asarray([n_keep]),
                         hidden=jnp.zeros((1, model.cfg.n_embd), jnp.float32))  # fmt: skip
