@@ -15,6 +15,7 @@ from jaxmodel.kernels.cpu_gdn import gdn_recurrent_cpu
 from jaxmodel.kernels.gdn_chunked import gdn_chunked
 from jaxmodel.kernels.gdn_recurrent import gdn_recurrent
 from jaxmodel.state import read_planes, scatter_planes
+from jaxmodel.xla_flags import step_invariant
 
 # Implementations `gated_delta_rule(impl=...)` accepts; the chunked ones require final_only.
 IMPLEMENTATIONS = ("scan", "chunked", "pallas_recurrent", "pallas_chunked", "cpu")
@@ -306,11 +307,11 @@ def choose_implementation(backend: str, n_tokens: int, final_only: bool, cpu_ker
 
 
 def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, final_only: bool = False,
-                     impl: str | None = None, n_steps: jax.Array | None = None, n_tokens: jax.Array | None = None):
+                     impl: str | None = None, n_tokens: jax.Array | None = None):
     """Shapes as `recurrent_scan`; dispatches to the implementation for this backend and shape.
 
-    n_steps: [] the most real tokens of any row (`recurrent_scan`'s n_steps; the other forms take all T).
-    n_tokens: [B] each row's real tokens (the CPU kernel skips the padding after them; None: all T).
+    n_tokens: [B] each row's real tokens (None: all T). The CPU kernel skips the padding after them; the scan, when
+    `step_invariant()`, runs up to the most of them (`recurrent_scan`'s n_steps); the other forms take all T.
     final_only: the caller promises each row writes at most one plane, at or after its last real token
     (a prefill chunk), which lets long inputs take the chunked form.
     impl: force one of IMPLEMENTATIONS (tests and benchmarks); Pallas kernels run interpreted off GPU.
@@ -321,6 +322,7 @@ def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, fi
         raise ValueError(f"{impl!r} writes only the final state; it needs final_only=True")
     interpret = backend != "gpu"
     if impl == "scan":
+        n_steps = jnp.max(n_tokens) if n_tokens is not None and step_invariant() else None
         return recurrent_scan(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only,
                               n_steps=n_steps)
     if impl == "chunked":

@@ -11,7 +11,6 @@ from .delta_rule import gated_delta_rule, rebuild_states
 from .layers import l2_norm, linear, project, rms_norm
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
-from .xla_flags import step_invariant
 
 
 def _causal_conv(window: jax.Array, w_conv: jax.Array, T: int) -> jax.Array:
@@ -57,7 +56,7 @@ def gdn_mixer(
     k = l2_norm(conv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
     v = conv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dk)
     o, ssm_pool = gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only,
-                                   n_steps=jnp.max(n_tokens) if step_invariant() else None, n_tokens=n_tokens)
+                                   n_tokens=n_tokens)
 
     # The conv state after token t is the Kc-1 raw inputs ending at t: window[:, :, t+1 : t+Kc].
     if final_only:

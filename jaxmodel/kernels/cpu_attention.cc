@@ -19,35 +19,27 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#ifdef __FMA__
-#include <immintrin.h>
-#endif
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu_pool.h"
+#include "cpu_vector.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));  // unaligned loads of 8 floats
+using gdnspec::lane_sum;
+using gdnspec::multiply_add;
+using gdnspec::splat;
+using gdnspec::v8;
 
 constexpr int64_t kMinParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
-
-inline v8 multiply_add(v8 acc, v8 x, v8 w) {
-#ifdef __FMA__
-  return (v8)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
-#else
-  return acc + x * w;
-#endif
-}
 
 inline float dot(const float* a, const float* b, int64_t D) {
   const int64_t D8 = D & ~int64_t(7);
   v8 acc{};
   for (int64_t d = 0; d < D8; d += 8) acc = multiply_add(acc, *(const v8*)(a + d), *(const v8*)(b + d));
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += acc[i];
+  float s = lane_sum(acc);
   for (int64_t d = D8; d < D; ++d) s += a[d] * b[d];
   return s;
 }
@@ -55,7 +47,7 @@ inline float dot(const float* a, const float* b, int64_t D) {
 // acc[0, D) += p * v[0, D)
 inline void add_scaled(float* acc, float p, const float* v, int64_t D) {
   const int64_t D8 = D & ~int64_t(7);
-  const v8 pv = v8{} + p;
+  const v8 pv = splat(p);
   for (int64_t d = 0; d < D8; d += 8) *(v8*)(acc + d) = multiply_add(*(v8*)(acc + d), pv, *(const v8*)(v + d));
   for (int64_t d = D8; d < D; ++d) acc[d] = std::fma(p, v[d], acc[d]);
 }

@@ -20,30 +20,20 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#ifdef __FMA__
-#include <immintrin.h>
-#endif
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu_pool.h"
+#include "cpu_vector.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));  // unaligned loads of 8 floats
+using gdnspec::multiply_add;
+using gdnspec::splat;
+using gdnspec::v8;
 
 constexpr int64_t kMinParallelWork = 1 << 16;  // state elements touched below which one thread does it all
-
-inline v8 multiply_add(v8 acc, v8 x, v8 w) {
-#ifdef __FMA__
-  return (v8)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
-#else
-  return acc + x * w;
-#endif
-}
-
-inline v8 splat(float x) { return v8{} + x; }
 
 struct Shape {
   int64_t B, T, Hk, Hv, Dk, Dv, N;

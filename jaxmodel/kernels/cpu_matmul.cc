@@ -18,38 +18,22 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#if defined(__FMA__) || defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 #include "xla/ffi/api/ffi.h"
 #include "cpu_pool.h"
+#include "cpu_vector.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));  // unaligned loads of 8 floats
+using gdnspec::lane_sum;
+using gdnspec::multiply_add;
+using gdnspec::v8;
 
 constexpr int kRowBlock = 4;                    // rows of x per pass over the weights
 constexpr int64_t kChunk = 64;                  // output columns per task
 constexpr int64_t kMinParallelBytes = 1 << 20;  // smaller weights stay on the calling thread
-
-// acc + x * w, fused where the CPU has FMA. Spelled out (the library builds with -ffp-contract=off) so that the
-// compiler cannot fuse in one instantiation of row_block and not in another: rows must sum alike for every M.
-inline v8 multiply_add(v8 acc, v8 x, v8 w) {
-#ifdef __FMA__
-  return (v8)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
-#else
-  return acc + x * w;
-#endif
-}
-
-inline float lane_sum(v8 v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
 
 // out[m, n] for m < MR, n in [n0, n1), NR weight rows at a time: MR * NR independent accumulators keep the FMA
 // units busy (one row of x alone would otherwise wait on one accumulator's latency).

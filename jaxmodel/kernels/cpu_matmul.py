@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # The CPU kernels' sources, built into one library: the products here, attention (`cpu_attention`), the gated
 # delta rule (`cpu_gdn`).
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_gdn.cc"))
-HEADERS = (Path(__file__).with_name("cpu_pool.h"),)
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vector.h"))
 TARGET = "gdnspec_rows_matmul"
 TARGET_Q8 = "gdnspec_q8_rows_matmul"
 TARGET_ATTENTION = "gdnspec_paged_attention"
@@ -67,7 +67,8 @@ def library_path() -> Path:
     import jaxlib
 
     digest = hashlib.sha256()
-    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_features().encode(),
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+                 jaxlib.__version__.encode(), _cpu_features().encode(),
                  platform.machine().encode()):
         digest.update(part)
     cache = Path(os.environ.get("GDNSPEC_KERNEL_DIR") or Path.home() / ".cache" / "gdnspec" / "kernels")
