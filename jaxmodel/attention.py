@@ -32,9 +32,10 @@ PAGES_PER_BLOCK = 8
 # On GPU the kernel takes steps of up to this many query tokens per row (decode and verify); longer prefill
 # chunks use the jnp loop, whose [T, keys] score blocks the kernel would have to hold per program.
 GPU_KERNEL_MAX_TOKENS = 16
-# On CPU the kernel (`kernels.cpu_attention`) takes steps of up to this many query tokens per row; longer prefill
-# chunks use XLA's products, which are faster where many queries share each key.
-CPU_KERNEL_MAX_TOKENS = 16
+# On CPU the kernel (`kernels.cpu_attention`) takes every step whose score buffer (one task's queries, T x H / Hkv,
+# times the page table's keys, in float32) fits in this; wider steps (long prompt chunks at a very long
+# --max-model-len) take the jnp loop over blocks of pages.
+CPU_KERNEL_MAX_SCORE_BYTES = 64 << 20
 # Benchmarks set this (and PAGES_PER_BLOCK) to force an implementation in a model step; read when it is traced.
 FORCE_IMPL: str | None = None
 
@@ -86,21 +87,35 @@ def attention_blocked(q, k_pages, v_pages, page_table, positions, valid, *, page
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, D)
 
 
-def choose_implementation(backend: str, n_tokens: int, n_pages: int, cpu_kernel: bool = False) -> str:
+def choose_implementation(backend: str, n_tokens: int, n_pages: int, cpu_kernel: bool = False,
+                          kernel_score_bytes: int = 0) -> str:
     """The implementation `attend` runs for this backend ("cpu", "gpu", ...), tokens per row and page-table width;
-    cpu_kernel: whether the CPU kernels are built here (`cpu_matmul.available()`).
+    cpu_kernel: whether the CPU kernels are built here (`cpu_matmul.available()`); kernel_score_bytes: the score
+    buffer the CPU kernel would hold per task (`kernel_score_bytes`).
 
-    Decode and verify steps take a kernel. Otherwise a table of at most one block has nothing to skip: it takes the
-    reference form, which (unlike a loop with a dynamic bound) can also be differentiated, as training does over
-    whole sequences.
+    On CPU the kernel takes decode, verify and prefill steps alike: it computes each query alone in one order, so a
+    token's attention is the same bits whether its step feeds 1, 4 or 128 tokens (a decoding row batched with a
+    prompt chunk included), and a 32-token batch of the bundled model scores as llama.cpp's does
+    (tests/test_cpu_q8_matmul.py). Measured in the step (README, "Prefill on CPU"), it is also the fastest form for
+    prompt chunks: XLA's per-query products cost 1.6-1.8x it. Otherwise decode and verify steps take a kernel, and
+    a table of at most one block has nothing to skip: it takes the reference form, which (unlike a loop with a
+    dynamic bound) can also be differentiated, as training does over whole sequences.
     """
-    if backend == "cpu" and cpu_kernel and n_tokens <= CPU_KERNEL_MAX_TOKENS:
+    if backend == "cpu" and cpu_kernel and kernel_score_bytes <= CPU_KERNEL_MAX_SCORE_BYTES:
         return "cpu"
     if n_pages <= PAGES_PER_BLOCK:
         return "reference"
     if backend == "gpu" and n_tokens <= GPU_KERNEL_MAX_TOKENS:
         return "pallas"
     return "blocked"
+
+
+def kernel_score_bytes(q_shape, k_pages_shape, n_pages: int) -> int:
+    """Bytes of the CPU kernel's per-task score buffer for q [B, T, H, D], pages [N, S, Hkv, D] and a page table of
+    n_pages: T x H / Hkv queries by n_pages x S keys, float32."""
+    _, T, H, _ = q_shape
+    _, S, Hkv, _ = k_pages_shape
+    return T * (H // Hkv) * n_pages * S * 4
 
 
 def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | None = None):
@@ -113,8 +128,9 @@ def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | Non
     forms sum per query on CPU (`query_scores`, unless `step_invariant()` is off).
     """
     backend = jax.default_backend()
-    impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1], page_table.shape[1],
-                                                       backend == "cpu" and cpu_matmul.available())
+    impl = impl or FORCE_IMPL or choose_implementation(
+        backend, q.shape[1], page_table.shape[1], backend == "cpu" and cpu_matmul.available(),
+        kernel_score_bytes(q.shape, k_pages.shape, page_table.shape[1]))
     per_query = backend == "cpu" and step_invariant()
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, page_table, positions, per_query=per_query)

@@ -1,5 +1,5 @@
 """The CPU attention kernel against the full-table reference: shapes, padding, the pages it reads, a query's
-independence of its step's length, its errors, and `attend`'s choice of it."""
+independence of its step's length, its gradient, its errors, and `attend`'s choice of it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxmodel import attention
-from jaxmodel.attention import CPU_KERNEL_MAX_TOKENS, choose_implementation
+from jaxmodel.attention import CPU_KERNEL_MAX_SCORE_BYTES, choose_implementation, kernel_score_bytes
 from jaxmodel.kernels import cpu_matmul
 from jaxmodel.kernels.cpu_attention import paged_attention_cpu
 from jaxmodel.kernels.paged_attention import paged_attention_reference
@@ -78,14 +78,39 @@ def test_kernel_refuses_positions_past_the_table_and_pages_outside_the_pool():
 
 
 @needs_kernel
-def test_attend_takes_the_kernel_for_decode_and_verify_steps_on_cpu():
+def test_attend_takes_the_kernel_for_every_step_on_cpu_whose_scores_fit():
+    """Decode, verify and prefill steps alike (so a decoding row batched with a prompt chunk computes what it would
+    alone), except where the score buffer would pass the bound: a long chunk at a very long context."""
     wide = 4 * attention.PAGES_PER_BLOCK
     assert choose_implementation("cpu", 1, wide, cpu_kernel=True) == "cpu"
-    assert choose_implementation("cpu", CPU_KERNEL_MAX_TOKENS, 2, cpu_kernel=True) == "cpu"
-    assert choose_implementation("cpu", CPU_KERNEL_MAX_TOKENS + 1, wide, cpu_kernel=True) == "blocked"
+    assert choose_implementation("cpu", 128, wide, True, kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), wide)) == "cpu"
+    too_wide = CPU_KERNEL_MAX_SCORE_BYTES // (128 * 4 * 16 * 4) + 1  # pages: 128 tokens x 4 queries per KV head
+    assert kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), too_wide) > CPU_KERNEL_MAX_SCORE_BYTES
+    assert choose_implementation("cpu", 128, too_wide, True,
+                                 kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), too_wide)) == "blocked"
+    assert choose_implementation("cpu", 128, wide, cpu_kernel=False) == "blocked"
     assert choose_implementation("gpu", 1, wide, cpu_kernel=True) == "pallas"
     case = random_case(12, starts=[30, 0], n_tokens=[2, 0], T=2, P=8)
     traced = jax.jit(attention.attend).trace(*map(jnp.asarray, case.args)).lower().as_text()
     assert cpu_matmul.TARGET_ATTENTION in traced
     np.testing.assert_allclose(np.asarray(attention.attend(*case.args))[case.valid],
                                np.asarray(paged_attention_reference(*case.args[:5]))[case.valid], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_gradient_is_the_references():
+    """Training differentiates through the kernel: its VJP is the reference form's; padding tokens pass none back."""
+    case = random_case(4, starts=[20, 3], n_tokens=[5, 2], T=5, P=4)
+    weights = jnp.asarray(np.random.default_rng(1).standard_normal(case.q.shape, np.float32))
+    valid = jnp.asarray(case.valid)[:, :, None, None]
+
+    def loss(attend_fn):
+        def f(q, k_pages, v_pages):
+            out = attend_fn(q, k_pages, v_pages, case.page_table, case.positions)
+            return jnp.sum(jnp.where(valid, out, 0.0) * weights)
+        return jax.grad(f, argnums=(0, 1, 2))(*map(jnp.asarray, (case.q, case.k_pages, case.v_pages)))
+
+    got = loss(lambda q, k, v, table, pos: paged_attention_cpu(q, k, v, table, pos, case.valid))
+    want = loss(paged_attention_reference)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

@@ -1,10 +1,10 @@
-"""Causal attention over the paged KV cache on CPU, as an XLA FFI custom call (cpu_attention.cc), for decode and
-verify steps: each query computed alone in one fixed order, so a token's attention is the same bits whatever the
-number of tokens its step feeds, and each row reads only its own live pages.
+"""Causal attention over the paged KV cache on CPU, as an XLA FFI custom call (cpu_attention.cc): each query
+computed alone in one fixed order, so a token's attention is the same bits whatever the number of tokens its step
+feeds, and each row reads only its own live pages.
 
 Built with the other CPU kernels (`cpu_matmul.build`, `cpu_matmul.available`). `jaxmodel.attention.attend` takes it
-on CPU for steps of up to `CPU_KERNEL_MAX_TOKENS` tokens per row; the specification it is tested against is
-`paged_attention.paged_attention_reference` (tests/test_cpu_attention.py).
+on CPU for decode, verify and prefill steps (`attention.choose_implementation`); the specification it is tested
+against is `paged_attention.paged_attention_reference` (tests/test_cpu_attention.py), whose VJP is its gradient.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .cpu_matmul import TARGET_ATTENTION
+from .paged_attention import paged_attention_reference
 
 
 def paged_attention_cpu(q, k_pages, v_pages, page_table, positions, valid):
@@ -28,10 +29,32 @@ def paged_attention_cpu(q, k_pages, v_pages, page_table, positions, valid):
                  q, position and row's pages only, summed in the same order for every T.
     A position past the page table, or a live table entry outside the pool, fails the call with a message.
     """
-    B, T, H, D = q.shape
     if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
         raise ValueError(f"paged_attention_cpu takes float32 pages; got {k_pages.dtype}, {v_pages.dtype}")
+    return _differentiable(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), positions, valid)
+
+
+def _call(q, k_pages, v_pages, page_table, positions, valid):
     qpos = jnp.where(valid, positions, -1).astype(jnp.int32)  # [B, T]
-    out = jax.ShapeDtypeStruct((B, T, H, D), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_ATTENTION, out, vmap_method="sequential")(
-        q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), qpos)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call(TARGET_ATTENTION, out, vmap_method="sequential")(q, k_pages, v_pages, page_table, qpos)
+
+
+@jax.custom_vjp
+def _differentiable(q, k_pages, v_pages, page_table, positions, valid):
+    return _call(q, k_pages, v_pages, page_table, positions, valid)
+
+
+def _forward(*args):
+    return _call(*args), args
+
+
+def _backward(args, cotangent):
+    """The reference form's VJP (training's gradient); padding tokens, whose output is 0, pass none back."""
+    q, k_pages, v_pages, page_table, positions, valid = args
+    cotangent = jnp.where(valid[:, :, None, None], cotangent, 0.0)
+    _, vjp = jax.vjp(lambda *f: paged_attention_reference(*f, page_table, positions), q, k_pages, v_pages)
+    return (*vjp(cotangent), None, None, None)
+
+
+_differentiable.defvjp(_forward, _backward)
