@@ -25,8 +25,9 @@ from jaxmodel.state import Row, bucket, pack_batch
 from bench import copy_bandwidth, save_json
 
 
-def _prefilled(model, n_seqs: int, context: int, page_size: int = 16):
-    pages_per_seq = bucket(-(-(context + 64) // page_size))
+def _prefilled(model, n_seqs: int, context: int, page_size: int = 16, room: int = 64):
+    """A state holding n_seqs sequences of `context` random tokens, each with pages for `room` more; and the pages."""
+    pages_per_seq = bucket(-(-(context + room) // page_size))
     state = model.new_state(n_pages=1 + n_seqs * pages_per_seq, n_planes=1 + 2 * n_seqs, page_size=page_size)
     pages = [list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)) for s in range(n_seqs)]
     rng = np.random.default_rng(0)
@@ -44,7 +45,7 @@ def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: s
     (packing each batch on the host and reading the logits back every step) and the device's (the same packed
     batch dispatched `steps` times, read back once); and the process's minor page faults per step in the
     host's view. hlo_path: write the compiled step's HLO there."""
-    state, pages = _prefilled(model, n_seqs, context)
+    state, pages = _prefilled(model, n_seqs, context, room=max(64, T))
     rng = np.random.default_rng(1)
 
     def batch(i):

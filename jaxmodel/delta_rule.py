@@ -30,6 +30,8 @@ GPU_CHUNKED_MIN_TOKENS = 256
 SCAN_STATES_MAX_TOKENS = 16
 # Chunk of the jnp chunked form; on CPU 32 beat 16 and 64 at Dk = Dv = 128.
 CHUNK_SIZE = 32
+# Tests and benchmarks set this to force an implementation in a model step; read when a step is traced.
+FORCE_IMPL: str | None = None
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -283,12 +285,18 @@ def rebuild_states(k, v, g, beta, ssm_pools, source, target, n_keep):
 
 def choose_implementation(backend: str, n_tokens: int, final_only: bool, cpu_kernel: bool = False) -> str:
     """The implementation `gated_delta_rule` runs for this backend ("cpu", "gpu", ...) and shape; cpu_kernel:
-    whether the CPU kernels are built here (`cpu_matmul.available()`). On CPU the kernel (`kernels.cpu_gdn`) takes
-    decode and verify steps (up to SCAN_STATES_MAX_TOKENS tokens per row; replay's rebuild takes it too); longer steps
-    keep XLA's forms, whose results on the bundled Q8_0 model equal llama.cpp's to 1e-5
-    (`tests/test_cpu_q8_matmul.py`), where the kernel's summation order puts a 32-token batch's logits 2e-3 apart.
+    whether the CPU kernels are built here (`cpu_matmul.available()`).
 
-    CPU threshold, measured on this project's shared 2-core machine (B=1, final_only, median of 15, noisy):
+    On CPU the kernel (`kernels.cpu_gdn`) takes every step, prompt chunks included (and replay's rebuild): one
+    order of summation for every token whatever its step's length or batch, so a decoding row batched with a
+    prompt chunk computes what it would alone, and greedy speculative output equals plain output under
+    concurrency. XLA's scan, whose order on the bundled Q8_0 model reproduces llama.cpp's logits to 1e-5 over a
+    32-token batch (the kernel's puts them up to 0.03 apart, the same argmax: tests/test_cpu_q8_matmul.py forces
+    the scan with FORCE_IMPL for that comparison), also costs several times the kernel on prompt chunks (README,
+    "Prefill on CPU").
+
+    Without the kernels, CPU thresholds measured on this project's shared 2-core machine (B=1, final_only, median
+    of 15, noisy):
       Hk=8, Hv=16, Dk=Dv=128   T=16: scan 1.8 ms, chunked (C=32) 1.6 ms; T=32: 3.4 / 1.8; T=64: 5.9 / 4.0;
                                T=128: 19 / 6.1; T=512: 42 / 26
       Hk=2, Hv=4, Dk=Dv=16     T=16: 0.12 / 0.14; T=64: 0.18 / 0.37; T=256: 0.58 / 0.66; T=1024: 2.0 / 2.8
@@ -301,9 +309,11 @@ def choose_implementation(backend: str, n_tokens: int, final_only: bool, cpu_ker
     """
     if backend == "gpu":
         return "chunked" if final_only and n_tokens >= GPU_CHUNKED_MIN_TOKENS else "pallas_recurrent"
+    if backend == "cpu" and cpu_kernel:
+        return "cpu"
     if final_only and n_tokens >= CPU_CHUNKED_MIN_TOKENS:
         return "chunked"
-    return "cpu" if backend == "cpu" and cpu_kernel and n_tokens <= SCAN_STATES_MAX_TOKENS else "scan"
+    return "scan"
 
 
 def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, final_only: bool = False,
@@ -317,7 +327,8 @@ def gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, *, fi
     impl: force one of IMPLEMENTATIONS (tests and benchmarks); Pallas kernels run interpreted off GPU.
     """
     backend = jax.default_backend()
-    impl = impl or choose_implementation(backend, q.shape[1], final_only, backend == "cpu" and cpu_matmul.available())
+    impl = impl or FORCE_IMPL or choose_implementation(backend, q.shape[1], final_only,
+                                                       backend == "cpu" and cpu_matmul.available())
     if impl in ("chunked", "pallas_chunked") and not final_only:
         raise ValueError(f"{impl!r} writes only the final state; it needs final_only=True")
     interpret = backend != "gpu"

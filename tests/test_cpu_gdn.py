@@ -129,10 +129,12 @@ def test_kernel_gradients_are_recurrent_scans():
 
 @needs_kernel
 def test_gated_delta_rule_takes_the_kernel_on_cpu():
+    """Every step, prompt chunks included: one summation order for every token."""
     assert choose_implementation("cpu", 1, False, cpu_kernel=True) == "cpu"
     assert choose_implementation("cpu", delta_rule.SCAN_STATES_MAX_TOKENS, True, cpu_kernel=True) == "cpu"
-    assert choose_implementation("cpu", delta_rule.SCAN_STATES_MAX_TOKENS + 1, False, cpu_kernel=True) == "scan"
-    assert choose_implementation("cpu", delta_rule.CPU_CHUNKED_MIN_TOKENS, True, cpu_kernel=True) == "chunked"
+    assert choose_implementation("cpu", 128, False, cpu_kernel=True) == "cpu"
+    assert choose_implementation("cpu", delta_rule.CPU_CHUNKED_MIN_TOKENS, True, cpu_kernel=True) == "cpu"
+    assert choose_implementation("cpu", delta_rule.CPU_CHUNKED_MIN_TOKENS, True, cpu_kernel=False) == "chunked"
     assert choose_implementation("gpu", 1, False, cpu_kernel=True) == "pallas_recurrent"
     problem = random_problem(97, n_tokens=4)
     text = jax.jit(delta_rule.gated_delta_rule).trace(*map(jnp.asarray, problem.args)).lower().as_text()
