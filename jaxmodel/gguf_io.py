@@ -78,13 +78,13 @@ class _Tensors:
 
 def q8_rows_from_blocks(data: np.ndarray) -> Q8Rows:
     """A Q8_0 tensor's raw rows [n_out, n_in / 32 * 34] (uint8: per block an f16 scale, then 32 int8 quants, as
-    GGUF stores them and `gguf.quants.quantize` writes them) -> `Q8Rows`."""
+    GGUF stores them and `gguf.quants.quantize` writes them) -> `Q8Rows` (in the CPU product's order)."""
     block_size, block_bytes = gguf.GGML_QUANT_SIZES[QT.Q8_0]
     n_out, n_in = data.shape[0], data.shape[1] // block_bytes * block_size
     blocks = data.reshape(n_out, n_in // block_size, block_bytes)
     scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [n_out, n_in / 32]
     quants = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n_out, n_in)
-    return Q8Rows(quants=quants, scales=scales)
+    return Q8Rows.from_file_order(quants, scales)
 
 
 def _split_outputs(w: np.ndarray | Q8Rows, sections: list[int]) -> list[np.ndarray | Q8Rows]:

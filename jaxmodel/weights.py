@@ -13,6 +13,8 @@ from typing import Sequence, Union
 import jax
 import numpy as np
 
+from .kernels.cpu_matmul import Q8_ROW_GROUP, file_order_q8_rows, interleave_q8_rows
+
 
 def pytree(cls):
     """A frozen dataclass whose fields are all pytree children."""
@@ -41,10 +43,21 @@ class Q8Rows:
     """A matmul weight [n_in, n_out] kept as the file's Q8_0 blocks, one row per output (GGUF's order): int8 quants
     and one float32 scale (the file's f16) per 32 inputs, for the CPU Q8_0 product
     (`jaxmodel.kernels.cpu_matmul.q8_rows_matmul`); `load_model` keeps Q8_0 matmul weights so on CPU, and
-    `layers.linear` takes it. shape and dtype are those of the dequantized [n_in, n_out] float32 weight."""
+    `layers.linear` takes it. Both arrays hold the product's order: each group of four rows' blocks interleaved
+    (`cpu_matmul.interleave_q8_rows`; `from_file_order`, `file_order`). shape and dtype are those of the
+    dequantized [n_in, n_out] float32 weight."""
 
-    quants: jax.Array  # [n_out, n_in] int8
-    scales: jax.Array  # [n_out, n_in / 32] float32
+    quants: jax.Array  # [n_out, n_in] int8, interleaved by groups of four rows
+    scales: jax.Array  # [n_out, n_in / 32] float32, likewise
+
+    @staticmethod
+    def from_file_order(quants, scales) -> "Q8Rows":
+        """From quants [n_out, n_in] and scales [n_out, n_in / 32] in the file's order."""
+        return Q8Rows(*interleave_q8_rows(quants, scales))
+
+    def file_order(self) -> tuple[jax.Array, jax.Array]:
+        """(quants, scales) in the file's order."""
+        return file_order_q8_rows(self.quants, self.scales)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,8 +68,15 @@ class Q8Rows:
         return np.dtype(np.float32)
 
     def outputs(self, index) -> "Q8Rows":
-        """The weight restricted to the outputs `index` selects (a slice or an index array)."""
-        return Q8Rows(self.quants[index], self.scales[index])
+        """The weight restricted to the outputs `index` selects (a slice or an index array). A prefix of whole groups
+        of rows is a prefix of the arrays; anything else goes through the file's order."""
+        n_out = self.quants.shape[0]
+        if isinstance(index, slice) and index.step in (None, 1) and index.start in (None, 0):
+            stop = n_out if index.stop is None else min(index.stop, n_out)
+            if stop == n_out or stop % Q8_ROW_GROUP == 0:
+                return Q8Rows(self.quants[:stop], self.scales[:stop])
+        quants, scales = self.file_order()
+        return Q8Rows.from_file_order(quants[index], scales[index])
 
 
 MatmulWeight = Union[jax.Array, Transposed, Q8Rows]
@@ -99,8 +119,9 @@ def fuse(ws: Sequence[MatmulWeight]) -> Fused:
     """Weights of one form (`_form`) over the same input as one `Fused` weight."""
     first = ws[0]
     if isinstance(first, Q8Rows):
-        w = Q8Rows(np.concatenate([np.asarray(x.quants) for x in ws]),
-                   np.concatenate([np.asarray(x.scales) for x in ws]))
+        parts = [x.file_order() for x in ws]
+        w = Q8Rows.from_file_order(np.concatenate([np.asarray(q) for q, _ in parts]),
+                                   np.concatenate([np.asarray(s) for _, s in parts]))
     elif isinstance(first, Transposed):
         w = Transposed(np.concatenate([np.asarray(x.t) for x in ws]))
     else:

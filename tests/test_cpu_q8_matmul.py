@@ -30,20 +30,20 @@ def _operands(M, K, N, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((M, K), np.float32)
     x[0, :32] = 0.0  # an all-zero block: scale 0, quants 0
-    w = Q8Rows(*_blocks(rng.standard_normal((N, K), np.float32) / np.sqrt(K)))
+    w = Q8Rows.from_file_order(*_blocks(rng.standard_normal((N, K), np.float32) / np.sqrt(K)))
     return jnp.asarray(x), w
 
 
 def _blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """w [N, K] -> (quants [N, K] int8, scales [N, K/32] float32), through gguf's own Q8_0 quantizer."""
-    rows = q8_rows_from_blocks(quants.quantize(w, QT.Q8_0))
-    return rows.quants, rows.scales
+    return q8_rows_from_blocks(quants.quantize(w, QT.Q8_0)).file_order()
 
 
 def _dequantized(w: Q8Rows) -> np.ndarray:
     """[n_in, n_out] float32, as the float32 loader holds it."""
-    q = np.asarray(w.quants, np.float32).reshape(w.shape[1], -1, 32)
-    return (q * np.asarray(w.scales)[..., None]).reshape(w.shape[1], w.shape[0]).T
+    quants, scales = w.file_order()
+    q = np.asarray(quants, np.float32).reshape(w.shape[1], -1, 32)
+    return (q * np.asarray(scales)[..., None]).reshape(w.shape[1], w.shape[0]).T
 
 
 @needs_kernel

@@ -5,10 +5,10 @@
 (README, "Model step"); `linear` uses it for M <= ROWS_KERNEL_MAX_ROWS when `load_model` stored a weight transposed
 (`weights.Transposed`, `precision.takes_rows_kernel`).
 
-`q8_rows_matmul(x [M, K], quants [N, K], scales [N, K/32]) -> [M, N]`, Q8_0 weights as the file holds them
-(`weights.Q8Rows`): llama.cpp's CPU arithmetic for a Q8_0 matmul (x quantized to Q8_0 per row, 8-bit products),
-reading a quarter of float32's bytes; `linear` uses it for every M. On the bundled Q8_0 model its logits equal
-llama.cpp's (tests/test_cpu_q8_matmul.py).
+`q8_rows_matmul(x [M, K], quants [N, K], scales [N, K/32]) -> [M, N]`, Q8_0 weights as the file holds them, each
+group of four rows' blocks interleaved (`interleave_q8_rows`; `weights.Q8Rows`): llama.cpp's CPU arithmetic for a
+Q8_0 matmul (x quantized to Q8_0 per row, 8-bit products), reading a quarter of float32's bytes; `linear` uses it
+for every M. On the bundled Q8_0 model its logits equal llama.cpp's (tests/test_cpu_q8_matmul.py).
 
 The library, these products, CPU attention (`cpu_attention`, from cpu_attention.cc) and the gated delta rule
 (`cpu_gdn`, from cpu_gdn.cc), is compiled from the
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ TARGET_Q8 = "gdnspec_q8_rows_matmul"
 TARGET_ATTENTION = "gdnspec_paged_attention"
 TARGET_GDN = "gdnspec_gdn_recurrent"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
+Q8_ROW_GROUP = 4  # rows whose blocks the Q8_0 product's weights interleave (cpu_matmul.cc, "Q8_0")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 ROWS_KERNEL_MAX_ROWS = 16  # above this (prefill chunks) XLA's dot on the [N, K] weight is as fast or faster
 
@@ -153,6 +155,43 @@ def q8_rows_matmul(x: jax.Array, quants: jax.Array, scales: jax.Array) -> jax.Ar
     return jax.ffi.ffi_call(TARGET_Q8, out, vmap_method="sequential")(x, quants, scales)
 
 
+def _regroup_q8_rows(quants, scales, to_kernel: bool):
+    """quants [N, K] and scales [N, K/32] between the file's order and the kernel's (`interleave_q8_rows`)."""
+    xp = jnp if isinstance(quants, jax.Array) or isinstance(scales, jax.Array) else np
+    N, K = quants.shape
+    n_blocks = K // Q8_BLOCK
+    full = N // Q8_ROW_GROUP * Q8_ROW_GROUP
+
+    def regroup(q, s, g):  # q [n, K], s [n, n_blocks], n a multiple of g
+        n = q.shape[0]
+        q_shape, s_shape = ((n // g, g, n_blocks, Q8_BLOCK), (n // g, g, n_blocks)) if to_kernel else \
+            ((n // g, n_blocks, g, Q8_BLOCK), (n // g, n_blocks, g))
+        return (q.reshape(q_shape).transpose(0, 2, 1, 3).reshape(n, K),
+                s.reshape(s_shape).transpose(0, 2, 1).reshape(n, n_blocks))
+
+    parts = [regroup(quants[:full], scales[:full], Q8_ROW_GROUP)] if full else []
+    if N > full:
+        parts.append(regroup(quants[full:], scales[full:], N - full))
+    if len(parts) == 1:
+        return parts[0]
+    return xp.concatenate([q for q, _ in parts]), xp.concatenate([s for _, s in parts])
+
+
+def interleave_q8_rows(quants, scales):
+    """Q8_0 quants [N, K] int8 and scales [N, K/32] in the file's order -> the kernel's (numpy or jax arrays): rows in
+    groups of Q8_ROW_GROUP (the last may hold fewer, g), each group's blocks interleaved row by row, as llama.cpp
+    repacks Q8_0 weights (q8_0x4), so that a tile of a group's rows streams from one place.
+
+    Example, two rows a, b of two blocks (one group of g = 2): quants a[block 0] b[block 0] a[block 1] b[block 1],
+    scales a0 b0 a1 b1."""
+    return _regroup_q8_rows(quants, scales, to_kernel=True)
+
+
+def file_order_q8_rows(quants, scales):
+    """The inverse of `interleave_q8_rows`."""
+    return _regroup_q8_rows(quants, scales, to_kernel=False)
+
+
 def quantize_rows_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [M, K] float32 -> (quants [M, K] int8, scales [M, K/32] float32): llama.cpp's quantize_row_q8_0 as its
     AVX2 path computes it (d = amax / 127 rounded to f16; q = x * (127 / amax), rounded to nearest, ties to even)."""
@@ -167,8 +206,10 @@ def quantize_rows_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def q8_rows_matmul_reference(x: jax.Array, quants: jax.Array, scales: jax.Array) -> jax.Array:
     """The specification of `q8_rows_matmul`: x quantized by `quantize_rows_q8_0`, each block's integer dot
-    product exact, scaled by both blocks' scales and summed in float32 (XLA's order, not the kernel's)."""
+    product exact, scaled by both blocks' scales and summed in float32 (XLA's order, not the kernel's); quants and
+    scales in the kernel's order."""
     (M, K), N = x.shape, quants.shape[0]
+    quants, scales = file_order_q8_rows(quants, scales)
     xq, xd = quantize_rows_q8_0(x)
     dots = jnp.einsum("mbi,nbi->mnb", xq.reshape(M, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.int32),
                       quants.reshape(N, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.int32))
