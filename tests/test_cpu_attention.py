@@ -83,7 +83,8 @@ def test_attend_takes_the_kernel_for_every_step_on_cpu_whose_scores_fit():
     alone), except where the score buffer would pass the bound: a long chunk at a very long context."""
     wide = 4 * attention.PAGES_PER_BLOCK
     assert choose_implementation("cpu", 1, wide, cpu_kernel=True) == "cpu"
-    assert choose_implementation("cpu", 128, wide, True, kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), wide)) == "cpu"
+    chunk = kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), wide)  # 128 tokens, the 0.8B's heads
+    assert choose_implementation("cpu", 128, wide, True, chunk) == "cpu"
     too_wide = CPU_KERNEL_MAX_SCORE_BYTES // (128 * 4 * 16 * 4) + 1  # pages: 128 tokens x 4 queries per KV head
     assert kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), too_wide) > CPU_KERNEL_MAX_SCORE_BYTES
     assert choose_implementation("cpu", 128, too_wide, True,

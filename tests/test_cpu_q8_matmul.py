@@ -112,6 +112,24 @@ def test_linear_takes_q8_rows(M):
     assert isinstance(narrow, Q8Rows) and narrow.shape == (96, 8)
 
 
+@pytest.mark.parametrize("N", [1, 3, 4, 9])
+def test_rows_interleave_as_llama_cpp_repacks_them_and_back(N):
+    """Each group of four rows (the last may hold fewer) stores block b of its rows one after another; the file's
+    order comes back exactly, for numpy and jax arrays."""
+    K = 64
+    quants = np.arange(N * K).reshape(N, K).astype(np.int8)
+    scales = np.arange(N * 2, dtype=np.float32).reshape(N, 2)
+    q, s = cpu_matmul.interleave_q8_rows(quants, scales)
+    g = min(4, N)  # the first group
+    first_group = q.reshape(-1)[: 32 * g * 2].reshape(2, g, 32)  # [block, row, 32]
+    np.testing.assert_array_equal(first_group, quants[:g].reshape(g, 2, 32).swapaxes(0, 1))
+    np.testing.assert_array_equal(s.reshape(-1)[: 2 * g], scales[:g].T.reshape(-1))
+    for back, want in zip(cpu_matmul.file_order_q8_rows(q, s), (quants, scales)):
+        np.testing.assert_array_equal(back, want)
+    for back, want in zip(cpu_matmul.file_order_q8_rows(jnp.asarray(q), jnp.asarray(s)), (quants, scales)):
+        np.testing.assert_array_equal(np.asarray(back), want)
+
+
 def test_split_outputs_of_blocks_matches_the_float32_split():
     _, w = _operands(1, 64, 30)
     parts = _split_outputs(w, [12, 20])
