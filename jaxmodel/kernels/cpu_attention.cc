@@ -1,4 +1,4 @@
-// Causal attention over the paged KV cache on CPU for decode and verify steps, an XLA FFI custom call:
+// Causal attention over the paged KV cache on CPU for steps of any length, an XLA FFI custom call:
 //   gdnspec_paged_attention  out[B, T, H, D] from q[B, T, H, D], k/v pages [N, S, Hkv, D], page_table[B, P] and
 //                            qpos[B, T] (a token's position, -1 for padding: its output is 0).
 //

@@ -5,7 +5,7 @@ rebuild. Differentiable: its VJP is `recurrent_scan`'s (training
 runs the same model code on CPU).
 
 Built with the other CPU kernels (`cpu_matmul.build`, `cpu_matmul.available`). `jaxmodel.delta_rule` takes it on CPU
-for decode and verify steps (and replay's rebuild); the specification it is tested against is
+for every step, prompt chunks included (and replay's rebuild); the specification it is tested against is
 `reference.reference_pool_update` (tests/test_cpu_gdn.py).
 """
 

@@ -111,11 +111,11 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 // ---------------------------------------------------------------------------------------------- Q8_0
 //
 // out[M, N] = x[M, K] @ dequant(wq[N, K], wd[N, K/32])^T the way llama.cpp's CPU backend computes a Q8_0 matmul:
-// each row of x is quantized to Q8_0 (quantize_row_q8_0), and each output is ggml_vec_dot_q8_0_q8_0 on AVX2 (with VNNI):
-// per block of 32, eight lanes of exact 4-product integer sums, scaled by d_w * d_x and accumulated with FMA
-// across blocks, the lanes then summed as hsum_float_8 does. The weight is read as int8 (a quarter of float32's
-// bytes), one group of four rows at a time from one contiguous stream (Q8Layout), and the products are 8-bit. A
-// row's result depends on that row of x only, for every M.
+// each row of x is quantized to Q8_0 (quantize_row_q8_0), and each output is ggml_vec_dot_q8_0_q8_0 on AVX2
+// (with VNNI where the CPU has it): per block of 32, eight lanes of exact 4-product integer sums, scaled by
+// d_w * d_x and accumulated with FMA across blocks, the lanes then summed as hsum_float_8 does. The weight is read
+// as int8 (a quarter of float32's bytes), one group of four rows at a time from one contiguous stream (Q8Layout),
+// and the products are 8-bit. A row's result depends on that row of x only, for every M.
 
 constexpr int64_t kQ8Block = 32;
 constexpr int64_t kQ8MinParallelWork = 1 << 16;  // products (M * N * K) below which one thread does it all
