@@ -38,7 +38,8 @@ def gdn_mixer(
     each recording row's raw conv inputs, g and beta of tokens record_from.. (n of them) in its slot."""
     B, T, _ = x.shape
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
-    qkv, z, beta, alpha = project(x, (w.qkv, w.gate, w.beta, w.alpha))  # [B, T, C], [B, T, Hv Dk], [B, T, Hv] x2
+    # [B, T, C], [B, T, Hv Dk], [B, T, Hv] x2
+    qkv, z, beta, alpha = project(x, (w.qkv, w.gate, w.beta, w.alpha), live=valid)
     z = z.reshape(B, T, Hv, Dk)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(beta), 0.0)  # [B, T, Hv]
     g = jnp.where(valid[..., None], jax.nn.softplus(alpha + w.dt_bias) * w.a, 0.0)
@@ -69,7 +70,7 @@ def gdn_mixer(
         conv_pool = scatter_planes(conv_pool, write_planes.reshape(B * T), after)
 
     o = rms_norm(o, w.norm, cfg.norm_eps) * jax.nn.silu(z)
-    return linear(o.reshape(B, T, Hv * Dk), w.out), conv_pool, ssm_pool, replay_pool
+    return linear(o.reshape(B, T, Hv * Dk), w.out, live=valid), conv_pool, ssm_pool, replay_pool
 
 
 def gdn_rebuild(

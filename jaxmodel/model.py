@@ -37,9 +37,10 @@ class Record:
     first: jax.Array
 
 
-def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array) -> jax.Array:
-    """hidden [B, T, E], rows [B, R], head [E, V] -> logits [B, R, V]."""
-    return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head)
+def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array, n_tokens: jax.Array) -> jax.Array:
+    """hidden [B, T, E], rows [B, R], head [E, V], n_tokens [B] -> logits [B, R, V] (0 for rows of no tokens)."""
+    live = jnp.broadcast_to((n_tokens > 0)[:, None], rows.shape)
+    return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head, live=live)
 
 
 def forward(
@@ -78,9 +79,9 @@ def forward(
             y, k_pages[j], v_pages[j] = paged_attention(
                 layer.mixer, cfg, h, batch.positions, valid, batch.page_table, k_pages[j], v_pages[j]
             )
-        x = _residual_ffn(layer, cfg, x + y)
+        x = _residual_ffn(layer, cfg, x + y, valid)
     hidden = rms_norm(x, weights.output_norm, cfg.norm_eps)
-    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, weights.output), hidden=hidden)
+    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, weights.output, batch.n_tokens), hidden=hidden)
     new_state = ModelState(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm),
                            hidden=_write_hidden(state.hidden, hidden, batch, final_only), replay=tuple(replay))
     return out, new_state
@@ -110,8 +111,9 @@ def _write_hidden(pool: jax.Array, hidden: jax.Array, batch: StepBatch, final_on
     return scatter_planes(pool, batch.write_planes.reshape(B * T), hidden.reshape(B * T, E))
 
 
-def _residual_ffn(layer: Layer, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    return x + ffn(layer.ffn, cfg, rms_norm(x, layer.post_norm, cfg.norm_eps))
+def _residual_ffn(layer: Layer, cfg: ModelConfig, x: jax.Array, valid: jax.Array) -> jax.Array:
+    """x [B, T, E], valid [B, T] -> [B, T, E]."""
+    return x + ffn(layer.ffn, cfg, rms_norm(x, layer.post_norm, cfg.norm_eps), valid)
 
 
 def mtp_forward(
@@ -130,10 +132,10 @@ def mtp_forward(
     y, k_mtp, v_mtp = paged_attention(
         mtp.layer.mixer, cfg, h, batch.positions, valid, batch.page_table, state.k_pages[-1], state.v_pages[-1]
     )
-    u = _residual_ffn(mtp.layer, cfg, u + y)
+    u = _residual_ffn(mtp.layer, cfg, u + y, valid)
     hidden = rms_norm(u, mtp.head_norm, cfg.norm_eps)
     head = first_columns(mtp.head, vocab)
-    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, head), hidden=hidden)
+    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, head, batch.n_tokens), hidden=hidden)
     new_state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + (k_mtp,),
                                     v_pages=state.v_pages[:-1] + (v_mtp,))
     return out, new_state
@@ -145,7 +147,7 @@ def _mtp_inputs(mtp: Mtp, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Arr
     valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]
     e = rms_norm(mtp.embed[batch.tokens].astype(jnp.float32), mtp.enorm, cfg.norm_eps)
     hh = rms_norm(hidden_in, mtp.hnorm, cfg.norm_eps)
-    u = linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj)
+    u = linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj, live=valid)
     return valid, u, rms_norm(u, mtp.layer.attn_norm, cfg.norm_eps)
 
 

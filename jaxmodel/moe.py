@@ -33,10 +33,10 @@ def route(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Arr
     return top_i, top_p / jnp.maximum(jnp.sum(top_p, axis=-1, keepdims=True), 6.1035e-5)
 
 
-def shared_expert(w: MoeFfn, x: jax.Array) -> jax.Array:
-    """x [..., E] -> [..., E]."""
-    shared_gate, shared_up = project(x, (w.shared_gate, w.shared_up))
-    shared = linear(jax.nn.silu(shared_gate) * shared_up, w.shared_down)
+def shared_expert(w: MoeFfn, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """x [..., E], live [...] (see `layers.linear`) -> [..., E]."""
+    shared_gate, shared_up = project(x, (w.shared_gate, w.shared_up), live=live)
+    shared = linear(jax.nn.silu(shared_gate) * shared_up, w.shared_down, live=live)
     return jax.nn.sigmoid(jnp.sum(x * w.shared_router, axis=-1, keepdims=True)) * shared
 
 
@@ -110,8 +110,9 @@ def routed_grouped(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array, 
     return jnp.zeros((N + 1, E), jnp.float32).at[token].add(ys * weight[:, None])[:N]
 
 
-def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    """Reads only the routed experts. x [..., E] -> [..., E]; equals `moe_ffn_dense` up to summation order."""
+def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """Reads only the routed experts. x [..., E] -> [..., E]; equals `moe_ffn_dense` up to summation order.
+    live [...]: rows that are padding skip the shared expert's products (`layers.linear`); they are still routed."""
     lead, E = x.shape[:-1], x.shape[-1]
     n_tokens = math.prod(lead)
     flat = x.reshape(n_tokens, E)
@@ -120,8 +121,10 @@ def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
         routed = routed_gathered(w, flat, top_i, top_w)
     else:
         routed = routed_grouped(w, flat, top_i, top_w)
-    return (routed + shared_expert(w, flat)).reshape(*lead, E)
+    flat_live = None if live is None else jnp.broadcast_to(live, lead).reshape(n_tokens)
+    return (routed + shared_expert(w, flat, flat_live)).reshape(*lead, E)
 
 
-def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
-    return dense_ffn(w, x) if isinstance(w, DenseFfn) else moe_ffn(w, cfg, x)
+def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """x [..., E], live [...] (padding rows false; see `layers.linear`) -> [..., E]."""
+    return dense_ffn(w, x, live) if isinstance(w, DenseFfn) else moe_ffn(w, cfg, x, live)

@@ -153,7 +153,7 @@ def _chain(weights, cfg, page_table, own_hidden, bonus_position, chaining, chain
     draft. Returns drafts [B, n_max], n_drafted [B] and the state."""
     B = own_hidden.shape[0]
     head = first_columns(weights.mtp.head, vocab)
-    first, prob = greedy_pick(linear(own_hidden, head))
+    first, prob = greedy_pick(linear(own_hidden, head, live=chaining))
     going = chaining & (prob >= chain.p_min)
     drafts = jnp.zeros((B, n_max), jnp.int32).at[:, 0].set(first)
 

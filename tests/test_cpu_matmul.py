@@ -25,11 +25,11 @@ def _operands(M, K, N, seed=0):
 
 
 @needs_kernel
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 16, 43])
 @pytest.mark.parametrize("K,N", [(8, 1), (19, 7), (192, 300), (1030, 333), (1024, 1100)])
 def test_kernel_matches_reference(M, K, N):
     # (1024, 1100) is 4.5 MB: split over the thread pool; K = 19 and 1030 have a tail past the last 8 lanes; odd N
-    # leaves one weight row after the blocks of 2, 4 or 8.
+    # leaves weight rows after the blocks of 3, 4 or 8; M = 43 ends in a pass of 3 rows.
     x, w = _operands(M, K, N)
     got = jax.jit(cpu_matmul.rows_matmul)(x, w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(cpu_matmul.rows_matmul_reference(x, w)),
@@ -41,11 +41,28 @@ def test_kernel_matches_reference(M, K, N):
 def test_each_row_is_summed_alike_whatever_the_rows_beside_it(K, N):
     """The property that makes a verify step's logits equal a one-token step's: row m of a product of M rows is
     bit for bit the product of row m alone, for any M (summation order fixed per element)."""
-    x, w = _operands(16, K, N, seed=1)
+    x, w = _operands(40, K, N, seed=1)
     f = jax.jit(cpu_matmul.rows_matmul)
-    alone = np.concatenate([np.asarray(f(x[m:m + 1], w)) for m in range(16)])
-    for M in (2, 3, 4, 7, 16):
+    alone = np.concatenate([np.asarray(f(x[m:m + 1], w)) for m in range(40)])
+    for M in (2, 3, 4, 7, 16, 40):
         np.testing.assert_array_equal(np.asarray(f(x[:M], w)), alone[:M])
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(192, 300), (1024, 1100)])
+def test_rows_not_live_are_skipped(K, N):
+    """Padding rows (live false) come back as 0 and the live rows as they would alone; every row padding too."""
+    x, w = _operands(37, K, N, seed=4)
+    live = jnp.asarray(np.random.default_rng(5).random(37) < 0.4)
+    f = jax.jit(cpu_matmul.rows_matmul)
+    got, full = np.asarray(f(x, w, live)), np.asarray(f(x, w))
+    np.testing.assert_array_equal(got[np.asarray(live)], full[np.asarray(live)])
+    assert not got[~np.asarray(live)].any()
+    np.testing.assert_allclose(got, np.asarray(cpu_matmul.rows_matmul_reference(x, w, live)), rtol=2e-5,
+                               atol=2e-5 * np.sqrt(K))
+    assert not np.asarray(f(x, w, jnp.zeros(37, bool))).any()
+    with pytest.raises(ValueError, match="live must be"):
+        cpu_matmul.rows_matmul(x, w, live[:5])
 
 
 @needs_kernel
@@ -60,8 +77,8 @@ def test_kernel_refuses_mismatched_operands():
 @needs_kernel
 @pytest.mark.parametrize("M", [1, 4, 40])
 def test_linear_takes_transposed_weights(M):
-    """`linear` on a `Transposed` weight: the kernel up to ROWS_KERNEL_MAX_ROWS rows, XLA's dot on [n_out, n_in]
-    above (M = 40); both equal the product on the [n_in, n_out] array."""
+    """`linear` on a `Transposed` weight runs the kernel for every M and equals the product on the [n_in, n_out]
+    array; with `live`, padding rows get only the bias."""
     rng = np.random.default_rng(2)
     w = rng.standard_normal((512, 96), np.float32) / 20
     x = jnp.asarray(rng.standard_normal((1, M, 512), np.float32))  # leading dims [1, M]: M rows
@@ -69,6 +86,10 @@ def test_linear_takes_transposed_weights(M):
     expected = np.asarray(linear(x, jnp.asarray(w), bias))
     got = np.asarray(jax.jit(linear)(x, Transposed(jnp.asarray(w.T.copy())), bias))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    live = jnp.arange(M)[None, :] < (M + 1) // 2  # [1, M]: the first half real, as in a padded step
+    padded = np.asarray(jax.jit(linear)(x, Transposed(jnp.asarray(w.T.copy())), bias, live))
+    np.testing.assert_array_equal(padded[0, : (M + 1) // 2], got[0, : (M + 1) // 2])
+    np.testing.assert_array_equal(padded[0, (M + 1) // 2 :], np.broadcast_to(np.asarray(bias), (M // 2, 96)))
     assert Transposed(jnp.asarray(w.T)).shape == (512, 96)
     np.testing.assert_array_equal(np.asarray(first_columns(Transposed(jnp.asarray(w.T)), 10).t), w.T[:10])
 

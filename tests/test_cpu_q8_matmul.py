@@ -79,6 +79,22 @@ def test_each_row_is_summed_alike_whatever_the_rows_beside_it(K, N):
 
 
 @needs_kernel
+@pytest.mark.parametrize("K,N", [(192, 300), (1024, 1100)])
+def test_rows_not_live_are_skipped(K, N):
+    """Padding rows (live false) are neither quantized nor multiplied: they come back as 0, and the live rows as
+    they would alone; the reference agrees."""
+    x, w = _operands(37, K, N, seed=4)
+    live = jnp.asarray(np.random.default_rng(5).random(37) < 0.4)
+    f = jax.jit(cpu_matmul.q8_rows_matmul)
+    got, full = np.asarray(f(x, w.quants, w.scales, live)), np.asarray(f(x, w.quants, w.scales))
+    np.testing.assert_array_equal(got[np.asarray(live)], full[np.asarray(live)])
+    assert not got[~np.asarray(live)].any()
+    want = np.asarray(cpu_matmul.q8_rows_matmul_reference(x, w.quants, w.scales, live))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+    assert not np.asarray(f(x, w.quants, w.scales, jnp.zeros(37, bool))).any()
+
+
+@needs_kernel
 def test_kernel_refuses_mismatched_operands():
     x, w = _operands(2, 64, 8)
     with pytest.raises(ValueError, match="K a multiple of 32"):

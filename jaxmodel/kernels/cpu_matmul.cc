@@ -1,7 +1,9 @@
 // Matrix products on CPU, XLA FFI custom calls over weights in GGUF's [N, K] order:
-//   gdnspec_rows_matmul     out[M, N] = x[M, K] @ w[N, K]^T, float32 weights, M <= 16 (below);
+//   gdnspec_rows_matmul     out[M, N] = x[M, K] @ w[N, K]^T, float32 weights (below);
 //   gdnspec_q8_rows_matmul  the same with Q8_0 weights, as llama.cpp computes it, each group of four rows' blocks
 //                           interleaved as llama.cpp repacks them (further below, "Q8_0").
+// Both take live [M] (int32): rows where it is 0 are padding (a batch's empty rows, the tokens past a row's own in
+// a padded step) and are not computed; their output is 0. A step padded to its shape bucket then costs its tokens.
 //
 // The weight is read in GGUF's order, [N, K] (each output's weights contiguous, llama.cpp's loop order): every
 // weight row is loaded once and multiplied into all M rows of x (held in L1), so a product of a few rows costs
@@ -10,7 +12,7 @@
 //
 // Every output element is summed in the same order whatever M and the chunking: eight strided partial sums over k
 // (one per vector lane), added lane by lane, then the tail k >= K & ~7. So row m of a product does not depend on
-// the other rows, and a verify step's logits equal a one-token step's bit for bit.
+// the other rows, and a verify step's logits equal a one-token step's bit for bit (and a prompt chunk's).
 //
 // References: `rows_matmul_reference` and `q8_rows_matmul_reference` in cpu_matmul.py; tests:
 // tests/test_cpu_matmul.py and tests/test_cpu_q8_matmul.py.
@@ -39,7 +41,7 @@ constexpr int64_t kMinParallelBytes = 1 << 20;  // smaller weights stay on the c
 // out[m, n] for m < MR, n in [n0, n1), NR weight rows at a time: MR * NR independent accumulators keep the FMA
 // units busy (one row of x alone would otherwise wait on one accumulator's latency).
 template <int MR, int NR>
-void row_block(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void row_block(const float* x, const float* w, float* const* out, int64_t K, int64_t n0, int64_t n1) {
   const int64_t K8 = K & ~int64_t(7);
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
@@ -62,27 +64,50 @@ void row_block(const float* x, const float* w, float* out, int64_t K, int64_t N,
       for (int r = 0; r < NR; ++r) {
         float s = lane_sum(acc[m][r]);
         for (int64_t k = K8; k < K; ++k) s += x[m * K + k] * wn[r * K + k];
-        out[m * N + n + r] = s;
+        out[m][n + r] = s;
       }
   }
   if constexpr (NR > 1) {
-    if (n < n1) row_block<MR, 1>(x, w, out, K, N, n, n1);
+    if (n < n1) row_block<MR, 1>(x, w, out, K, n, n1);
   }
 }
 
-// All M rows for output columns [n0, n1).
-void columns(const float* x, const float* w, float* out, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// All M rows of x (contiguous) for output columns [n0, n1), row m's outputs at out[m]. (Eight rows of x per pass
+// measured slower than four: with K = 1024 they fill L1.)
+void columns(const float* x, const float* w, float* const* out, int64_t M, int64_t K, int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const float* xm = x + m0 * K;
-    float* om = out + m0 * N;
+    float* const* om = out + m0;
     switch (std::min<int64_t>(kRowBlock, M - m0)) {
-      case 1: row_block<1, 8>(xm, w, om, K, N, n0, n1); break;
-      case 2: row_block<2, 4>(xm, w, om, K, N, n0, n1); break;
-      case 3: row_block<3, 2>(xm, w, om, K, N, n0, n1); break;
-      default: row_block<4, 2>(xm, w, om, K, N, n0, n1); break;
+      case 1: row_block<1, 8>(xm, w, om, K, n0, n1); break;
+      case 2: row_block<2, 4>(xm, w, om, K, n0, n1); break;
+      case 3: row_block<3, 3>(xm, w, om, K, n0, n1); break;
+      default: row_block<4, 3>(xm, w, om, K, n0, n1); break;
     }
   }
 }
+
+// The live rows of a product (live[m] != 0), kept by the calling thread between calls (no allocation per call;
+// pool tasks read them, and the call waits for its tasks before it returns).
+struct LiveRows {
+  std::vector<int64_t> index;  // the live rows, in order
+  std::vector<float*> out;     // where each live row's outputs go
+
+  // Fills index and out (rows of out_base N apart) and zeroes the outputs of the rows that are not live.
+  void find(const int32_t* live, int64_t M, float* out_base, int64_t N) {
+    index.clear();
+    out.clear();
+    for (int64_t m = 0; m < M; ++m) {
+      if (live[m]) {
+        index.push_back(m);
+        out.push_back(out_base + m * N);
+      } else {
+        std::fill(out_base + m * N, out_base + (m + 1) * N, 0.f);
+      }
+    }
+  }
+  int64_t count() const { return int64_t(index.size()); }
+};
 
 // columns(n0, n1) over [0, N) in chunks of kChunk, on the pool's threads when size (bytes or products) is large
 // enough to pay for the hand-off.
@@ -95,16 +120,27 @@ void over_columns(ffi::ThreadPool& pool, int64_t N, int64_t size, int64_t min_pa
 }
 
 ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> out) {
+                      ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("rows_matmul: x and w must be 2-D");
   const int64_t M = xd[0], K = xd[1], N = wd[0];
   if (wd[1] != K) return ffi::Error::InvalidArgument("rows_matmul: x is [M, K] and w [N, K] with the same K");
+  if (live.element_count() != M) return ffi::Error::InvalidArgument("rows_matmul: live is [M]");
+  thread_local LiveRows rows;
+  thread_local std::vector<float> gathered;  // the live rows of x, when some are not
+  rows.find(live.typed_data(), M, out->typed_data(), N);
+  const int64_t L = rows.count();
+  if (L == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
+  if (L < M) {
+    if (gathered.size() < size_t(L * K)) gathered.resize(L * K);
+    for (int64_t i = 0; i < L; ++i) std::copy_n(xp + rows.index[i] * K, K, gathered.data() + i * K);
+    xp = gathered.data();
+  }
   const float* wp = w.typed_data();
-  float* op = out->typed_data();
+  float* const* op = rows.out.data();
   over_columns(pool, N, N * K * int64_t(sizeof(float)), kMinParallelBytes,
-               [=](int64_t n0, int64_t n1) { columns(xp, wp, op, M, K, N, n0, n1); });
+               [=](int64_t n0, int64_t n1) { columns(xp, wp, op, L, K, n0, n1); });
   return ffi::Error::Success();
 }
 
@@ -193,8 +229,8 @@ struct Q8Layout {
 };
 
 template <int MR, int NR>
-void q8_row_block(const int8_t* xq, const float* xd, const int8_t* wq, const float* wd, float* out, int64_t K,
-                  int64_t N, int64_t n0, int64_t n1) {
+void q8_row_block(const int8_t* xq, const float* xd, const int8_t* wq, const float* wd, float* const* out,
+                  int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t nb = K / kQ8Block;
   const Q8Layout layout{K, N, nb};
   int64_t n = n0;
@@ -249,20 +285,20 @@ void q8_row_block(const int8_t* xq, const float* xd, const int8_t* wq, const flo
 #endif
     }
     for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < NR; ++r) out[m * N + n + r] = lane_sum_q8(acc[m][r]);
+      for (int r = 0; r < NR; ++r) out[m][n + r] = lane_sum_q8(acc[m][r]);
   }
   if constexpr (NR > 1) {
     if (n < n1) q8_row_block<MR, 1>(xq, xd, wq, wd, out, K, N, n, n1);
   }
 }
 
-void q8_columns(const int8_t* xq, const float* xd, const int8_t* wq, const float* wd, float* out, int64_t M,
-                int64_t K, int64_t N, int64_t n0, int64_t n1) {
+void q8_columns(const int8_t* xq, const float* xd, const int8_t* wq, const float* wd, float* const* out,
+                int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t nb = K / kQ8Block;
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int8_t* xm = xq + m0 * K;
     const float* dm = xd + m0 * nb;
-    float* om = out + m0 * N;
+    float* const* om = out + m0;
     switch (std::min<int64_t>(kRowBlock, M - m0)) {
       case 1: q8_row_block<1, 4>(xm, dm, wq, wd, om, K, N, n0, n1); break;
       case 2: q8_row_block<2, 4>(xm, dm, wq, wd, om, K, N, n0, n1); break;
@@ -273,7 +309,7 @@ void q8_columns(const int8_t* xq, const float* xd, const int8_t* wq, const float
 }
 
 ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wq,
-                        ffi::Buffer<ffi::F32> wd, ffi::ResultBuffer<ffi::F32> out) {
+                        ffi::Buffer<ffi::F32> wd, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
   const auto xs = x.dimensions(), qs = wq.dimensions(), ds = wd.dimensions();
   if (xs.size() != 2 || qs.size() != 2 || ds.size() != 2)
     return ffi::Error::InvalidArgument("q8_rows_matmul: x, quants and scales must be 2-D");
@@ -281,20 +317,25 @@ ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (qs[1] != K || K % kQ8Block != 0 || ds[0] != N || ds[1] != K / kQ8Block)
     return ffi::Error::InvalidArgument(
         "q8_rows_matmul: x is [M, K], quants [N, K] and scales [N, K / 32], with K a multiple of 32");
-  // x's quantized rows, in a buffer kept by the calling thread (no allocation per call): pool tasks read it, and
-  // the call waits for them all before it returns.
+  if (live.element_count() != M) return ffi::Error::InvalidArgument("q8_rows_matmul: live is [M]");
+  // The live rows of x quantized, in buffers kept by the calling thread like the rows themselves (LiveRows).
+  thread_local LiveRows rows;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
-  if (xq.size() < size_t(M * K)) xq.resize(M * K);
-  if (xd.size() < size_t(M * (K / kQ8Block))) xd.resize(M * (K / kQ8Block));
-  quantize_rows_q8_0(x.typed_data(), M, K, xq.data(), xd.data());
+  rows.find(live.typed_data(), M, out->typed_data(), N);
+  const int64_t L = rows.count(), nb = K / kQ8Block;
+  if (L == 0) return ffi::Error::Success();
+  if (xq.size() < size_t(L * K)) xq.resize(L * K);
+  if (xd.size() < size_t(L * nb)) xd.resize(L * nb);
+  for (int64_t i = 0; i < L; ++i)
+    quantize_rows_q8_0(x.typed_data() + rows.index[i] * K, 1, K, xq.data() + i * K, xd.data() + i * nb);
   const int8_t* xqp = xq.data();
   const float* xdp = xd.data();
   const int8_t* wqp = wq.typed_data();
   const float* wdp = wd.typed_data();
-  float* op = out->typed_data();
-  over_columns(pool, N, M * N * K, kQ8MinParallelWork,
-               [=](int64_t n0, int64_t n1) { q8_columns(xqp, xdp, wqp, wdp, op, M, K, N, n0, n1); });
+  float* const* op = rows.out.data();
+  over_columns(pool, N, L * N * K, kQ8MinParallelWork,
+               [=](int64_t n0, int64_t n1) { q8_columns(xqp, xdp, wqp, wdp, op, L, K, N, n0, n1); });
   return ffi::Error::Success();
 }
 
@@ -305,6 +346,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_rows_matmul, RowsMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul, Q8RowsMatmul,
@@ -313,4 +355,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul, Q8RowsMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Ret<ffi::Buffer<ffi::F32>>());

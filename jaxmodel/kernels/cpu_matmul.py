@@ -1,14 +1,17 @@
 """Matrix products on CPU as XLA FFI custom calls (cpu_matmul.cc), over weights stored [N, K] (GGUF's order).
 
-`rows_matmul(x [M, K], w [N, K]) -> [M, N]`, float32 weights: streams each weight row once for all M rows, so a
-4-row product costs 1.2-1.5x a one-row one alone (1.8x inside the 0.8B step) instead of 2-2.5x with XLA's dot
-(README, "Model step"); `linear` uses it for M <= ROWS_KERNEL_MAX_ROWS when `load_model` stored a weight transposed
+`rows_matmul(x [M, K], w [N, K]) -> [M, N]`, float32 weights: streams each weight row once for a tile of rows,
+so a 4-row product costs 1.2-1.5x a one-row one alone (1.8x inside the 0.8B step) instead of 2-2.5x with XLA's dot
+(README, "Model step"); `linear` uses it for every M when `load_model` stored a weight transposed
 (`weights.Transposed`, `precision.takes_rows_kernel`).
 
 `q8_rows_matmul(x [M, K], quants [N, K], scales [N, K/32]) -> [M, N]`, Q8_0 weights as the file holds them, each
 group of four rows' blocks interleaved (`interleave_q8_rows`; `weights.Q8Rows`): llama.cpp's CPU arithmetic for a
 Q8_0 matmul (x quantized to Q8_0 per row, 8-bit products), reading a quarter of float32's bytes; `linear` uses it
 for every M. On the bundled Q8_0 model its logits equal llama.cpp's (tests/test_cpu_q8_matmul.py).
+
+Both take `live` [M], which rows are real: a step padded to its shape bucket (tokens past a row's own, a batch's
+empty rows) skips the padding's products, so it costs its tokens; those rows come back as 0.
 
 The library, these products, CPU attention (`cpu_attention`, from cpu_attention.cc) and the gated delta rule
 (`cpu_gdn`, from cpu_gdn.cc), is compiled from the
@@ -49,7 +52,6 @@ TARGET_GDN = "gdnspec_gdn_recurrent"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
 Q8_ROW_GROUP = 4  # rows whose blocks the Q8_0 product's weights interleave (cpu_matmul.cc, "Q8_0")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
-ROWS_KERNEL_MAX_ROWS = 16  # above this (prefill chunks) XLA's dot on the [N, K] weight is as fast or faster
 
 
 class KernelUnavailable(RuntimeError):
@@ -122,28 +124,44 @@ def available() -> bool:
     return True
 
 
-def rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def _live_rows(live: jax.Array | None, M: int) -> jax.Array:
+    """live [M] (bool or int) as the kernels' int32 [M]; None: every row."""
+    if live is None:
+        return jnp.ones((M,), jnp.int32)
+    if live.shape != (M,):
+        raise ValueError(f"live must be [M] = [{M}], one flag per row of x; got {live.shape}")
+    return live.astype(jnp.int32)
+
+
+def _zero_dead_rows(y: jax.Array, live: jax.Array | None) -> jax.Array:
+    return y if live is None else jnp.where(live.astype(bool)[:, None], y, 0.0)
+
+
+def rows_matmul(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Array:
     """x [M, K] float32 @ w [N, K]^T float32 -> [M, N] float32, by the kernel (requires `available()`).
 
+    live [M] (optional): rows where it is false are padding, not computed, and come back as 0.
     Row m of the result depends on x[m] and w only, summed in the same order for every M (see cpu_matmul.cc)."""
     M, K = x.shape
     N, K_w = w.shape
     if K != K_w or x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"rows_matmul takes float32 x [M, K] and w [N, K]; got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w, _live_rows(live, M))
 
 
-def rows_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
-    """The specification: x [M, K] @ w [N, K]^T -> [M, N] in float32 (XLA's dot)."""
-    return jnp.einsum("mk,nk->mn", x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+def rows_matmul_reference(x: jax.Array, w: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    """The specification: x [M, K] @ w [N, K]^T -> [M, N] in float32 (XLA's dot), rows not live 0."""
+    y = jnp.einsum("mk,nk->mn", x, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return _zero_dead_rows(y, live)
 
 
-def q8_rows_matmul(x: jax.Array, quants: jax.Array, scales: jax.Array) -> jax.Array:
+def q8_rows_matmul(x: jax.Array, quants: jax.Array, scales: jax.Array, live: jax.Array | None = None) -> jax.Array:
     """x [M, K] float32 @ (quants [N, K] int8 * scales [N, K/32] float32, per block of 32)^T -> [M, N] float32,
     as llama.cpp computes a Q8_0 matmul on CPU: x's rows quantized to Q8_0, 8-bit products summed exactly per
     block, scaled and accumulated in float32 (see cpu_matmul.cc; requires `available()`). Any M; row m of the
-    result depends on x[m], quants and scales only."""
+    result depends on x[m], quants and scales only. live [M] (optional): rows where it is false are padding, not
+    computed, and come back as 0."""
     M, K = x.shape
     N, K_q = quants.shape
     if (K != K_q or K % Q8_BLOCK or scales.shape != (N, K // Q8_BLOCK) or x.dtype != jnp.float32
@@ -152,7 +170,7 @@ def q8_rows_matmul(x: jax.Array, quants: jax.Array, scales: jax.Array) -> jax.Ar
                          f"multiple of 32; got {x.dtype}{x.shape}, {quants.dtype}{quants.shape}, "
                          f"{scales.dtype}{scales.shape}")
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-    return jax.ffi.ffi_call(TARGET_Q8, out, vmap_method="sequential")(x, quants, scales)
+    return jax.ffi.ffi_call(TARGET_Q8, out, vmap_method="sequential")(x, quants, scales, _live_rows(live, M))
 
 
 def _regroup_q8_rows(quants, scales, to_kernel: bool):
@@ -204,13 +222,14 @@ def quantize_rows_q8_0(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return quants, scales
 
 
-def q8_rows_matmul_reference(x: jax.Array, quants: jax.Array, scales: jax.Array) -> jax.Array:
+def q8_rows_matmul_reference(x: jax.Array, quants: jax.Array, scales: jax.Array,
+                             live: jax.Array | None = None) -> jax.Array:
     """The specification of `q8_rows_matmul`: x quantized by `quantize_rows_q8_0`, each block's integer dot
     product exact, scaled by both blocks' scales and summed in float32 (XLA's order, not the kernel's); quants and
-    scales in the kernel's order."""
+    scales in the kernel's order; rows not live 0."""
     (M, K), N = x.shape, quants.shape[0]
     quants, scales = file_order_q8_rows(quants, scales)
     xq, xd = quantize_rows_q8_0(x)
     dots = jnp.einsum("mbi,nbi->mnb", xq.reshape(M, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.int32),
                       quants.reshape(N, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.int32))
-    return jnp.sum(dots.astype(jnp.float32) * (xd[:, None, :] * scales[None, :, :]), axis=-1)
+    return _zero_dead_rows(jnp.sum(dots.astype(jnp.float32) * (xd[:, None, :] * scales[None, :, :]), axis=-1), live)
