@@ -56,7 +56,8 @@ void row_block(const float* x, const float* w, float* const* out, int64_t K, int
         __asm__("" : "+x"(b[r]));  // keep each weight vector in a register: loaded once, not once per row of x
       }
       for (int m = 0; m < MR; ++m) {
-        const v8 xv = *(const v8*)(x + m * K + k);
+        v8 xv = *(const v8*)(x + m * K + k);
+        __asm__("" : "+x"(xv));  // one load of x per row, not one per weight row
         for (int r = 0; r < NR; ++r) acc[m][r] = multiply_add(acc[m][r], xv, b[r]);
       }
     }
@@ -81,8 +82,8 @@ void columns(const float* x, const float* w, float* const* out, int64_t M, int64
     switch (std::min<int64_t>(kRowBlock, M - m0)) {
       case 1: row_block<1, 8>(xm, w, om, K, n0, n1); break;
       case 2: row_block<2, 4>(xm, w, om, K, n0, n1); break;
-      case 3: row_block<3, 3>(xm, w, om, K, n0, n1); break;
-      default: row_block<4, 3>(xm, w, om, K, n0, n1); break;
+      case 3: row_block<3, 4>(xm, w, om, K, n0, n1); break;
+      default: row_block<4, 4>(xm, w, om, K, n0, n1); break;
     }
   }
 }
