@@ -69,9 +69,9 @@ def linear(x: jax.Array, w: MatmulWeight, bias: jax.Array | None = None, live: j
     w stored transposed (`Transposed`, [n_out, n_in], what `load_model` does on CPU when the kernel builds): the
     rows kernel (`jaxmodel.kernels.cpu_matmul.rows_matmul`) for every M, which reads each weight row once for a
     tile of rows and sums every row in the same order whatever M, so a token's product is the same in a prompt
-    chunk as in a one-token step. (XLA's dot on [n_out, n_in] is faster on a full 128-row chunk, about 160 against
-    110-140 GFLOP/s on two cores, but computes the padding too: a 66-token chunk in its 128-row bucket took 114
-    against 138 ms, 24 products of 1024 x 3584 in a chain, `live` skipping 62 rows.)
+    chunk as in a one-token step. (XLA's dot on [n_out, n_in] is faster on a full 128-row chunk, 134 against 149 ms
+    for a chain of 24 products of 1024 x 3584 on two cores, but computes the padding too: with 66 live rows of 128,
+    as a 66-token prompt's step, 135 against 90 ms.)
 
     w as an array: the formulation is fixed at trace time from M and w (`small_row_form`); all compute the same f32
     product, only the summation order differs. On CPU, for float32 w:
