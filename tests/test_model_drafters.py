@@ -13,6 +13,8 @@ from conftest import DATA, plain_greedy
 from drafters.base import DraftRequest
 from drafters.draft_model import DraftModelDrafter, check_same_vocab
 from jaxmodel import load_model
+from jaxmodel.assets import default_model_path
+from jaxmodel.kernels import cpu_matmul
 from jaxmodel.model import Model
 from jaxmodel.runtime import Runtime, RowLoop, Shapes, StepRow, plane_write_cost
 from jaxmodel.state import Row, pack_batch
@@ -258,3 +260,30 @@ def test_lookup_iterations_in_one_call_match_plain_greedy(target, replay):
     unmatched, more = decode(prompts[0] + C[:1], ((3, 4, 5, 6), (7, 8, 9, 10)))
     assert [len(later.drafts) for later in more] == [0] * 5
     assert [u == e[1 : 1 + len(u)] for u, e in zip(unmatched, expected)] == [True, True]
+
+
+
+@pytest.mark.skipif(not cpu_matmul.available(), reason="bit-equal rows need the CPU kernels (row-invariant products)")
+def test_a_step_mixing_a_prompt_chunk_with_verify_rows_runs_split_with_the_same_results():
+    """On CPU a step mixing a prompt chunk with short rows runs as two calls (`Runtime.split_chunks`): the same
+    committed tokens and drafts, and the same pages and planes written bit for bit, as the one padded call (the
+    bundled model, whose products all take the kernels)."""
+    target = load_model(default_model_path())
+    rng = np.random.default_rng(11)
+    first = [int(t) for t in rng.integers(0, target.cfg.n_vocab, 5)]
+    chunk = [int(t) for t in rng.integers(0, target.cfg.n_vocab, 30)]
+    runtimes = [Runtime(target, n_pages=6, n_planes=8, n_chain_max=3, split_chunks=split) for split in (False, True)]
+    results = []
+    for runtime in runtimes:
+        opened = runtime.step([StepRow(Row(first, 0, [1], 0, [-1] * 4 + [1], [4]), n_chain=3)])[0]
+        verify = Row([opened.committed[0], *opened.next_drafts], 5, [1], 1, [2, 3, 4, 5], [0, 1, 2, 3])
+        prompt = Row(chunk, 0, [2, 3, 4], 0, [-1] * 29 + [6], [29])
+        results.append(runtime.step([StepRow(verify, opened.next_drafts, n_chain=3),
+                                     StepRow(prompt, n_chain=3)]))  # fmt: skip
+    assert results[0] == results[1]
+    assert results[0][0].n_accepted > 0 and results[0][1].next_drafts  # a draft accepted; the prompt drafted
+    joined, split = (runtime.state for runtime in runtimes)
+    for a, b in zip(joined.k_pages + joined.v_pages, split.k_pages + split.v_pages, strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[1:5], np.asarray(b)[1:5])  # page 0 takes padding's writes
+    for a, b in zip(joined.conv + joined.ssm + (joined.hidden,), split.conv + split.ssm + (split.hidden,), strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[1:7], np.asarray(b)[1:7])
