@@ -291,6 +291,10 @@ def _bench(args) -> int:
         from bench.iterations import main as bench_iterations
 
         bench_iterations(args.rest)
+    elif args.what == "mixed":
+        from bench.mixed import main as bench_mixed
+
+        bench_mixed(args.rest)
     return 0
 
 
@@ -366,8 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.set_defaults(func=_make_random)
 
-    p = sub.add_parser("bench", help="benchmarks: bench step|engine|speculation|iterations|peer|attention --model M ...")
-    p.add_argument("what", choices=["step", "engine", "speculation", "iterations", "peer", "attention"])
+    p = sub.add_parser("bench", help="benchmarks: bench step|engine|speculation|iterations|mixed|peer|attention "
+                                     "--model M ...")
+    p.add_argument("what", choices=["step", "engine", "speculation", "iterations", "mixed", "peer", "attention"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     return parser

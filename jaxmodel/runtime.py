@@ -156,6 +156,9 @@ class Shapes:
 
 # Steps of up to this many tokens per row (decode and verify steps) may run several iterations per call.
 LOOP_MAX_TOKENS = 16
+# With `Runtime.split_chunks`, prompt chunks run in calls of at most this many rows (a batch bucket, so no new
+# shape): six chunks of about 100 tokens cost about 60 ms in one call of 16 padded rows on the bundled model.
+CHUNK_CALL_ROWS = 4
 # The n-gram lookup on device searches this many of a row's latest tokens (plus what the call commits); the host's
 # n-gram drafter searches the whole sequence, so only longer sequences may draft differently (never output).
 LOOKUP_HISTORY = 512
@@ -219,9 +222,9 @@ class Runtime:
     large (`PER_ROW_REBUILD_MIN_BYTES`), and all elsewhere. lookup_drafts: the most drafts a row drafting by n-gram
     lookup on device (`RowLoop.lookup`) feeds per later iteration; 0: no row does, and no lookup compiles. Calls
     with such rows compile apart, for first iterations of up to `lookup_width` tokens: their later iterations run at
-    lookup_width tokens where some row feeds drafts and at one token where none does. split_chunks: a step that
-    mixes prompt chunks (rows of more than LOOP_MAX_TOKENS tokens) with short rows runs as two calls, the chunks'
-    and the short rows' (see `step`); by default on CPU.
+    lookup_width tokens where some row feeds drafts and at one token where none does. split_chunks: a step with
+    prompt chunks (rows of more than LOOP_MAX_TOKENS tokens) runs them in calls of at most CHUNK_CALL_ROWS rows,
+    apart from its short rows (see `step`); by default on CPU.
     """
 
     def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,
@@ -303,18 +306,19 @@ class Runtime:
         """One target step over all rows: forward, verification and MTP drafting in one device call; rows with a
         `loop` run up to `iterations` iterations in all (a short step's; others run one).
 
-        With `split_chunks`, a step mixing prompt chunks with short rows (decoding, verifying) runs as two calls,
-        the chunks' first, each row in the call of its own length, and every row one iteration as in a mixed call.
-        Rows are independent (their own pages and planes), so the results are the same; the cost is not: in one
-        call every short row is padded to the chunk's length, and on CPU the padding's elementwise work, the
-        GDN conv and the state writes cost per token (the products skip it). The bundled model, 15 decoding rows
-        beside one 128-token chunk: 43 ms in one call, 10.2 + 1.9 ms in two; the chunks may then also take the
-        final-only form (`Shapes.logit_rows`)."""
+        With `split_chunks`, a step with prompt chunks runs them in calls of at most CHUNK_CALL_ROWS rows, first,
+        then its short rows (decoding, verifying) in a call of their own, every row one iteration as in a joined
+        call. Rows are independent (their own pages and planes), so the results are the same; the cost is not: a
+        joined call pads every row to the longest row's length and the rows to their bucket (1, 4, 16, 64), and on
+        CPU the padding's elementwise work, GDN conv and state writes cost per token (the products skip it). The
+        bundled model, 15 decoding rows beside one 128-token chunk: 43 ms in one call, 10.2 + 1.9 ms in two; the
+        chunks may then also take the final-only form (`Shapes.logit_rows`)."""
         long = [i for i, r in enumerate(rows) if len(r.row.tokens) > LOOP_MAX_TOKENS]
-        if self.split_chunks and 0 < len(long) < len(rows):
+        if self.split_chunks and long and (len(long) < len(rows) or len(long) > CHUNK_CALL_ROWS):
             short = [i for i in range(len(rows)) if i not in set(long)]
+            groups = [long[g : g + CHUNK_CALL_ROWS] for g in range(0, len(long), CHUNK_CALL_ROWS)]
             results: list[RowResult | None] = [None] * len(rows)
-            for group in (long, short):
+            for group in groups + ([short] if short else []):
                 for i, result in zip(group, self._call([rows[i] for i in group], 1), strict=True):
                     results[i] = result
             return results
