@@ -334,3 +334,41 @@ def test_requests_are_served_while_shapes_compile_in_the_background(target, prom
     assert set(engine.runtime.chain_seconds) == {1}  # calibrated: one batch bucket, the MTP head chains
     assert set(engine.runtime.plane_write_seconds) == {1}  # in planes lent while idle, and given back:
     assert engine.memory.free_planes == engine.memory.usable_planes
+
+
+def test_prompt_chunks_joining_running_sequences_run_in_calls_of_their_own(target, prompts, references):
+    """Prompts of 17-33 tokens (one chunk each, longer than a loop step) arrive while other sequences decode, with
+    and without drafts: on CPU such steps run the chunks and the short rows as separate calls
+    (`Runtime.split_chunks`), and every sequence's tokens still equal its plain greedy decode."""
+    jobs = [(i, prompts[i % 6], SpeculativeConfig(drafters, n_max=3) if drafters else None)
+            for i, drafters in enumerate([None, ("mtp",), ("ngram",), None, ("mtp",), None, ("ngram", "mtp"), None])]
+    results, calls_per_step = {}, []
+
+    async def main():
+        engine = Engine(target, adaptive=False, **{**ENGINE, "chunk_size": 40, "token_budget": 96, "max_running": 3})
+        engine.iterations = ITERATIONS
+        step, call = engine.runtime.step, engine.runtime._call
+        calls = []
+        engine.runtime._call = lambda rows, iterations: calls.append(len(rows)) or call(rows, iterations)
+
+        def counted_step(rows, iterations=1):
+            before = len(calls)
+            out = step(rows, iterations)
+            calls_per_step.append(len(calls) - before)
+            return out
+
+        engine.runtime.step = counted_step
+        async with engine:
+            async def run(i, request, delay):
+                await anyio.sleep(delay)
+                results[i] = await collect(engine, request)
+
+            async with anyio.create_task_group() as tg:
+                for i, prompt, spec in jobs:
+                    tg.start_soon(run, i, GenerationRequest(prompt, MAX_TOKENS, speculative=spec), 0.03 * i)
+
+    anyio.run(main)
+    for i, prompt, _ in jobs:
+        assert results[i][0] == references[prompt], f"job {i}"
+    if jax.default_backend() == "cpu":
+        assert max(calls_per_step) > 1  # some step ran as split calls
