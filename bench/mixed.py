@@ -24,7 +24,7 @@ from scheduler import Engine, GenerationRequest
 
 from . import save_json
 from .prompts import load_prompt_set
-from .speculation import DEFAULT_MODEL, _run
+from .speculation import _run, model_arguments
 
 
 def run(args) -> dict:
@@ -64,9 +64,7 @@ def run(args) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--out", default=None, help="write JSON results here")
-    parser.add_argument("--prompts", default="code", help="a named prompt set or a file (see bench/prompts.py)")
+    model_arguments(parser)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--min-tokens", type=int, default=16)

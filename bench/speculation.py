@@ -156,11 +156,17 @@ def run(args) -> dict:
     return out
 
 
-def workload_arguments(parser: argparse.ArgumentParser, drafters: str) -> None:
-    """The options this benchmark shares with `bench.iterations`: model, output, prompts, streams, drafters."""
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of every engine benchmark over a prompt set (this one, `bench.iterations`, `bench.mixed`):
+    model, output, prompts."""
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--out", default=None, help="write JSON results here")
     parser.add_argument("--prompts", default="code", help="a named prompt set or a file (see bench/prompts.py)")
+
+
+def workload_arguments(parser: argparse.ArgumentParser, drafters: str) -> None:
+    """The options this benchmark shares with `bench.iterations`: `model_arguments`, streams, drafters."""
+    model_arguments(parser)
     parser.add_argument("--streams", default="1,16", help="concurrent streams, comma-separated")
     parser.add_argument("--drafters", default=drafters, help="drafter sets separated by ';' (plain: none)")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -39,8 +39,7 @@ class Record:
 
 def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array, n_tokens: jax.Array) -> jax.Array:
     """hidden [B, T, E], rows [B, R], head [E, V], n_tokens [B] -> logits [B, R, V] (0 for rows of no tokens)."""
-    live = jnp.broadcast_to((n_tokens > 0)[:, None], rows.shape)
-    return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head, live=live)
+    return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head, live=(n_tokens > 0)[:, None])
 
 
 def forward(

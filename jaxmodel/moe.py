@@ -121,8 +121,7 @@ def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array, live: jax.Array | None = 
         routed = routed_gathered(w, flat, top_i, top_w)
     else:
         routed = routed_grouped(w, flat, top_i, top_w)
-    flat_live = None if live is None else jnp.broadcast_to(live, lead).reshape(n_tokens)
-    return (routed + shared_expert(w, flat, flat_live)).reshape(*lead, E)
+    return routed.reshape(*lead, E) + shared_expert(w, x, live)
 
 
 def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array, live: jax.Array | None = None) -> jax.Array:

@@ -313,9 +313,10 @@ class Runtime:
         CPU the padding's elementwise work, GDN conv and state writes cost per token (the products skip it). The
         bundled model, 15 decoding rows beside one 128-token chunk: 43 ms in one call, 10.2 + 1.9 ms in two; the
         chunks may then also take the final-only form (`Shapes.logit_rows`)."""
-        long = [i for i, r in enumerate(rows) if len(r.row.tokens) > LOOP_MAX_TOKENS]
-        if self.split_chunks and long and (len(long) < len(rows) or len(long) > CHUNK_CALL_ROWS):
-            short = [i for i in range(len(rows)) if i not in set(long)]
+        long, short = [], []
+        for i, r in enumerate(rows):
+            (long if len(r.row.tokens) > LOOP_MAX_TOKENS else short).append(i)
+        if self.split_chunks and long and (short or len(long) > CHUNK_CALL_ROWS):
             groups = [long[g : g + CHUNK_CALL_ROWS] for g in range(0, len(long), CHUNK_CALL_ROWS)]
             results: list[RowResult | None] = [None] * len(rows)
             for group in groups + ([short] if short else []):

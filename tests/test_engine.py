@@ -57,6 +57,20 @@ def references(target, prompts):
     return {p: plain_greedy(target, p, MAX_TOKENS) for p in prompts}
 
 
+async def collect_staggered(engine, timed) -> list:
+    """`collect` of each (request, delay) in `timed`, all at once, each starting after its delay."""
+    results = [None] * len(timed)
+
+    async def run(i, request, delay):
+        await anyio.sleep(delay)
+        results[i] = await collect(engine, request)
+
+    async with anyio.create_task_group() as tg:
+        for i, (request, delay) in enumerate(timed):
+            tg.start_soon(run, i, request, delay)
+    return results
+
+
 async def collect(engine, request):
     tokens, done, n_from_drafts = [], None, 0
     async for event in engine.generate(request):
@@ -88,19 +102,13 @@ def test_lossless_under_concurrency_for_every_drafter_and_mode(target, draft, pr
         drafters = drafter_sets[i % len(drafter_sets)]
         spec = SpeculativeConfig(drafters, n_max=3 + i % 4, rollback=modes[(i + i // 12) % 4]) if drafters else None
         jobs.append((i, prompt, GenerationRequest(prompt, MAX_TOKENS, speculative=spec)))
-    results = {}
+    results = []
 
     async def main():
         engine = Engine(target, draft_model=draft, extra_drafters=list(synthetic.values()), adaptive=False, **ENGINE)
         free = (engine.memory.free_pages, engine.memory.free_planes)
         async with engine:
-            async def run(i, request, delay):
-                await anyio.sleep(delay)
-                results[i] = await collect(engine, request)
-
-            async with anyio.create_task_group() as tg:
-                for i, _, request in jobs:
-                    tg.start_soon(run, i, request, 0.02 * (i % 5))
+            results.extend(await collect_staggered(engine, [(request, 0.02 * (i % 5)) for i, _, request in jobs]))
         assert (engine.memory.free_pages, engine.memory.free_planes) == free
         return engine
 
@@ -342,7 +350,7 @@ def test_prompt_chunks_joining_running_sequences_run_in_calls_of_their_own(targe
     (`Runtime.split_chunks`), and every sequence's tokens still equal its plain greedy decode."""
     jobs = [(i, prompts[i % 6], SpeculativeConfig(drafters, n_max=3) if drafters else None)
             for i, drafters in enumerate([None, ("mtp",), ("ngram",), None, ("mtp",), None, ("ngram", "mtp"), None])]
-    results, calls_per_step = {}, []
+    results, calls_per_step = [], []
 
     async def main():
         engine = Engine(target, adaptive=False, **{**ENGINE, "chunk_size": 40, "token_budget": 96, "max_running": 3})
@@ -359,13 +367,8 @@ def test_prompt_chunks_joining_running_sequences_run_in_calls_of_their_own(targe
 
         engine.runtime.step = counted_step
         async with engine:
-            async def run(i, request, delay):
-                await anyio.sleep(delay)
-                results[i] = await collect(engine, request)
-
-            async with anyio.create_task_group() as tg:
-                for i, prompt, spec in jobs:
-                    tg.start_soon(run, i, GenerationRequest(prompt, MAX_TOKENS, speculative=spec), 0.03 * i)
+            results.extend(await collect_staggered(
+                engine, [(GenerationRequest(prompt, MAX_TOKENS, speculative=spec), 0.03 * i) for i, prompt, spec in jobs]))
 
     anyio.run(main)
     for i, prompt, _ in jobs:

@@ -218,9 +218,7 @@ inline __m256 lane_sums_q8(const v8* a) {
                                     _mm256_shuffle_ps(pq[0], pq[1], _MM_SHUFFLE(3, 1, 3, 1)));  // a0 a2 a4 a6 | a1 a3 a5 a7
   return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
-#endif
 
-#ifdef __AVX2__
 // The eight lane sums of one block: lane j = sum of w[4j + i] * x[4j + i], i < 4 (llama.cpp's
 // mul_sum_i8_pairs_float, with |w| shared by the rows of x).
 inline __m256 block_lanes(__m256i w_abs, __m256i w, __m256i x) {
