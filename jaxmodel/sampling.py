@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .kernels.cpu_argmax import greedy_tokens
+
 # key streams under one (seed, position) key
 _DRAW, _ACCEPT, _RESIDUAL = 0, 1, 2
 
@@ -91,7 +93,7 @@ def _stream(keys: jax.Array, stream: int) -> jax.Array:
 def _draw(processed: jax.Array, greedy: jax.Array, keys: jax.Array) -> jax.Array:
     """processed [B, R, V] filtered logits, greedy [B, 1], keys [B, R] -> tokens [B, R] int32."""
     sampled = jax.vmap(jax.vmap(jax.random.categorical))(keys, processed)
-    return jnp.where(greedy, jnp.argmax(processed, axis=-1), sampled).astype(jnp.int32)
+    return jnp.where(greedy, greedy_tokens(processed), sampled).astype(jnp.int32)
 
 
 def sample(logits: jax.Array, params: SamplingParams, positions: jax.Array) -> jax.Array:
@@ -126,7 +128,7 @@ def verify(
     if draft_probs is None:  # all-greedy batches skip the random draws over [B, R, V] (most of verify's cost)
         return jax.lax.cond(
             jnp.all(params.temperature <= 0),
-            lambda: _accept(jnp.argmax(target_logits, axis=-1).astype(jnp.int32), draft_tokens, n_drafts),
+            lambda: _accept(greedy_tokens(target_logits.astype(jnp.float32)), draft_tokens, n_drafts),
             lambda: _verify(target_logits, draft_tokens, None, n_drafts, params, positions),
         )
     return _verify(target_logits, draft_tokens, draft_probs, n_drafts, params, positions)

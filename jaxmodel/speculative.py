@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
+from .kernels.cpu_argmax import greedy_tokens
 from .layers import linear
 from .model import Record, forward, mtp_forward, mtp_write_kv, rebuild
 from .ngram_lookup import append_tokens, ngram_lookup
@@ -77,8 +78,8 @@ class SpeculativeOutput:
 
 def greedy_pick(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """logits [B, V] -> argmax token [B] int32 and its probability [B]."""
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    top = jnp.max(logits, axis=-1)
+    token = greedy_tokens(logits)
+    top = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]  # the max, without a second reduction
     prob = 1.0 / jnp.sum(jnp.exp(logits - top[:, None]), axis=-1)
     return token, prob
 

@@ -13,9 +13,8 @@ for every M. On the bundled Q8_0 model its logits equal llama.cpp's (tests/test_
 Both take `live` [M], which rows are real: a step padded to its shape bucket (tokens past a row's own, a batch's
 empty rows) skips the padding's products, so it costs its tokens; those rows come back as 0.
 
-The library, these products, CPU attention (`cpu_attention`, from cpu_attention.cc) and the gated delta rule
-(`cpu_gdn`, from cpu_gdn.cc), is compiled from the
-sources beside this file with the system's C++ compiler ($CXX, else g++) for the machine it runs on
+The library, these products, CPU attention (`cpu_attention`, from cpu_attention.cc), the gated delta rule
+(`cpu_gdn`, from cpu_gdn.cc) and greedy's argmax (`cpu_argmax`, from cpu_argmax.cc), is compiled from the sources beside this file with the system's C++ compiler ($CXX, else g++) for the machine it runs on
 (-march=native), on first use or by `build()` (the Makefile's install step), into $GDNSPEC_KERNEL_DIR (default
 ~/.cache/gdnspec/kernels), named by a digest of the sources, the flags, jaxlib's version and the CPU's features.
 Without a compiler, or with GDNSPEC_CPU_KERNEL=0, `available()` is False and the model keeps XLA's products and
@@ -43,12 +42,14 @@ log = logging.getLogger(__name__)
 
 # The CPU kernels' sources, built into one library: the products here, attention (`cpu_attention`), the gated
 # delta rule (`cpu_gdn`).
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_gdn.cc"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_gdn.cc", "cpu_argmax.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vector.h"))
 TARGET = "gdnspec_rows_matmul"
 TARGET_Q8 = "gdnspec_q8_rows_matmul"
 TARGET_ATTENTION = "gdnspec_paged_attention"
 TARGET_GDN = "gdnspec_gdn_recurrent"
+TARGET_ARGMAX = "gdnspec_argmax_rows"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
 Q8_ROW_GROUP = 4  # rows whose blocks the Q8_0 product's weights interleave (cpu_matmul.cc, "Q8_0")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -109,7 +110,7 @@ def build(path: Path | None = None) -> Path:
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the CPU kernels (`rows_matmul`, `q8_rows_matmul`, `cpu_attention.paged_attention_cpu`,
-    `cpu_gdn.gdn_recurrent_cpu`) can run here:
+    `cpu_gdn.gdn_recurrent_cpu`, `cpu_argmax.argmax_rows`) can run here:
     the default backend is CPU, GDNSPEC_CPU_KERNEL is not 0, and the library builds and loads (the first call
     registers it with XLA; a failure is logged once)."""
     if os.environ.get("GDNSPEC_CPU_KERNEL", "1") == "0" or jax.default_backend() != "cpu":
@@ -119,7 +120,7 @@ def available() -> bool:
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
         log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
-    for target in (TARGET, TARGET_Q8, TARGET_ATTENTION, TARGET_GDN):
+    for target in (TARGET, TARGET_Q8, TARGET_ATTENTION, TARGET_GDN, TARGET_ARGMAX):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 
