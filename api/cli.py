@@ -63,7 +63,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-policy", action="store_true",
                    help="draft with each request's drafters in order at n_max instead of the adaptive policy")
     p.add_argument("--iterations", type=int, default=None,
-                   help="most speculative iterations (or plain decoding steps) per device call (default: 32)")
+                   help="most speculative iterations (or plain decoding steps) per device call (default: 64)")
     p.add_argument("--max-call-ms", type=float, default=None,
                    help="fewer iterations per device call where they would take longer than this, as the last "
                         "decoding call measured (0: no bound; default: 100)")
@@ -291,6 +291,10 @@ def _bench(args) -> int:
         from bench.iterations import main as bench_iterations
 
         bench_iterations(args.rest)
+    elif args.what == "iteration-cost":
+        from bench.iteration_cost import main as bench_iteration_cost
+
+        bench_iteration_cost(args.rest)
     elif args.what == "mixed":
         from bench.mixed import main as bench_mixed
 
@@ -370,9 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.set_defaults(func=_make_random)
 
-    p = sub.add_parser("bench", help="benchmarks: bench step|engine|speculation|iterations|mixed|peer|attention "
-                                     "--model M ...")
-    p.add_argument("what", choices=["step", "engine", "speculation", "iterations", "mixed", "peer", "attention"])
+    p = sub.add_parser("bench", help="benchmarks: bench step|engine|speculation|iterations|iteration-cost|mixed|peer|"
+                                     "attention --model M ...")
+    p.add_argument("what", choices=["step", "engine", "speculation", "iterations", "iteration-cost", "mixed", "peer",
+                                    "attention"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     return parser

@@ -48,8 +48,9 @@ def ngram_lookup(
     # An end must leave the pattern after it (e <= length - 1) and at least min_n matched tokens.
     usable = (positions <= (length - 1)[:, None]) & (matched >= min_n[:, None]) & (min_n > 0)[:, None]
     score = jnp.where(usable, matched * H + positions, -1)  # longest match first, then the most recent end
-    best = jnp.argmax(score, axis=1).astype(jnp.int32)  # [B]
-    found = jnp.max(score, axis=1) >= 0
+    top = jnp.max(score, axis=1)  # [B]; usable scores are distinct, so the best end is the top's position (an
+    found = top >= 0  # argmax would be a reduction over (value, index) pairs, slow on CPU)
+    best = jnp.where(found, top % H, 0).astype(jnp.int32)  # [B]
     n_found = jnp.where(found, jnp.clip(length - best, 0, n_draft), 0)
     index = jnp.minimum(best[:, None] + jnp.arange(n_draft)[None, :], H - 1)
     drafts = jnp.take_along_axis(history, index, axis=1)

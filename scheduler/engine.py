@@ -59,9 +59,10 @@ class _NullDetokenizer:
 # stream on CPU beyond its iterations (the first iteration, the worker-thread hand-off, the scheduler's update,
 # streaming the burst): on the bundled model, `gdnspec bench iterations` (paired rounds in one process) measured 32
 # against 8 at 1.50x (plain) and 1.75x (MTP) at one stream and 1.10x (plain) at 16 streams
-# (bench/results/iterations-cpu.json; README, "Iterations per device call"). A request arriving meanwhile waits for
-# the call in flight.
-DEFAULT_ITERATIONS = 32
+# (bench/results/iterations-cpu.json; README, "Iterations per device call"), and 64 against 32 at 1.14x (plain and
+# n-gram) at one stream and 1.07x at 16 streams (bench/results/iterations-cpu-64.json). A request arriving meanwhile
+# waits for the call in flight (at most `DEFAULT_MAX_CALL_SECONDS`).
+DEFAULT_ITERATIONS = 64
 # ... and no more of them than fit in this long a call, by the last decoding call's time per iteration at that many
 # rows: a 16-row iteration of the bundled model takes about 3 ms on CPU, a one-row one of the 0.8B shape 60 ms.
 DEFAULT_MAX_CALL_SECONDS = 0.1
