@@ -159,6 +159,10 @@ LOOP_MAX_TOKENS = 16
 # With `Runtime.split_chunks`, prompt chunks run in calls of at most this many rows (a batch bucket, so no new
 # shape): six chunks of about 100 tokens cost about 60 ms in one call of 16 padded rows on the bundled model.
 CHUNK_CALL_ROWS = 4
+# ... where the calls pad fewer (row, token) slots than one call, counting this many for each extra call: on the
+# bundled model a call costs about 2 ms plus 0.02-0.025 ms a padded slot (16 rows x 64 tokens 26 ms, 4 x 64 8 ms,
+# 4 x 16 3.6 ms; 16 x 128 43 ms); larger models' slots cost more against the call, so the count is conservative.
+CALL_COST_SLOTS = 100
 # The n-gram lookup on device searches this many of a row's latest tokens (plus what the call commits); the host's
 # n-gram drafter searches the whole sequence, so only longer sequences may draft differently (never output).
 LOOKUP_HISTORY = 512
@@ -207,6 +211,34 @@ def plane_write_cost(without: Sequence[float], with_writes: Sequence[float], n_p
         return 0.0
     p_noise = wilcoxon(differences, alternative="greater").pvalue
     return max(statistics.median(differences), 0.0) / n_planes if p_noise <= 0.05 else 0.0
+
+
+def chunk_calls(lengths: Sequence[int], shapes: Shapes | None) -> list[list[int]] | None:
+    """How `Runtime.step` with `split_chunks` runs a step whose rows have these token counts: the indices of each
+    call's rows (prompt chunks, longest first, CHUNK_CALL_ROWS to a call; then the short rows in a call of their
+    own), or None for one joined call. It splits where that pads fewer (row, token) slots, counting each extra call
+    as CALL_COST_SLOTS: a joined call pads every row to the longest one's token bucket and the rows to their batch
+    bucket, and on CPU each padded slot costs elementwise work even where the products skip it.
+
+    >>> shapes = Shapes(max_rows=16, max_tokens=128, max_logit_rows=4, pages_per_row=8)
+    >>> chunk_calls([100] + [1] * 15, shapes)  # one chunk beside 15 decoding rows: 128 + 16 slots against 2048
+    [[0], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
+    >>> chunk_calls([90, 100, 95, 97, 99, 92], shapes)  # six chunks: 4 + 2 rows (512 + 512 slots) against 2048
+    [[1, 4, 3, 2], [5, 0]]
+    >>> chunk_calls([22] * 14 + [12, 12], shapes) is None  # 16 short prompts: one call of 16 rows (1024 slots)
+    True
+    """
+    long = sorted((i for i, n in enumerate(lengths) if n > LOOP_MAX_TOKENS), key=lambda i: -lengths[i])
+    short = [i for i, n in enumerate(lengths) if n <= LOOP_MAX_TOKENS]
+    if shapes is None or not long or (not short and len(long) <= CHUNK_CALL_ROWS):
+        return None
+    calls = [long[g : g + CHUNK_CALL_ROWS] for g in range(0, len(long), CHUNK_CALL_ROWS)] + ([short] if short else [])
+
+    def slots(rows: list[int]) -> int:
+        return shapes.batch(len(rows)) * shapes.tokens(max(lengths[i] for i in rows))
+
+    split = sum(slots(rows) for rows in calls) + (len(calls) - 1) * CALL_COST_SLOTS
+    return calls if split < slots(long + short) else None
 
 
 class Runtime:
@@ -307,19 +339,17 @@ class Runtime:
         `loop` run up to `iterations` iterations in all (a short step's; others run one).
 
         With `split_chunks`, a step with prompt chunks runs them in calls of at most CHUNK_CALL_ROWS rows, first,
-        then its short rows (decoding, verifying) in a call of their own, every row one iteration as in a joined
+        then its short rows (decoding, verifying) in a call of their own, where that pads fewer slots than one call
+        (`chunk_calls`), every row one iteration as in a joined
         call. Rows are independent (their own pages and planes), so the results are the same; the cost is not: a
         joined call pads every row to the longest row's length and the rows to their bucket (1, 4, 16, 64), and on
         CPU the padding's elementwise work, GDN conv and state writes cost per token (the products skip it). The
         bundled model, 15 decoding rows beside one 128-token chunk: 43 ms in one call, 10.2 + 1.9 ms in two; the
         chunks may then also take the final-only form (`Shapes.logit_rows`)."""
-        long, short = [], []
-        for i, r in enumerate(rows):
-            (long if len(r.row.tokens) > LOOP_MAX_TOKENS else short).append(i)
-        if self.split_chunks and long and (short or len(long) > CHUNK_CALL_ROWS):
-            groups = [long[g : g + CHUNK_CALL_ROWS] for g in range(0, len(long), CHUNK_CALL_ROWS)]
+        calls = chunk_calls([len(r.row.tokens) for r in rows], self.shapes) if self.split_chunks else None
+        if calls is not None:
             results: list[RowResult | None] = [None] * len(rows)
-            for group in groups + ([short] if short else []):
+            for group in calls:
                 for i, result in zip(group, self._call([rows[i] for i in group], 1), strict=True):
                     results[i] = result
             return results

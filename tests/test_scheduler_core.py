@@ -594,6 +594,23 @@ def test_later_iterations_drafting_on_device_are_counted_under_a_name(drafter):
     assert done.finish_reason == "length" and dict(done.drafters) == {drafter or UNNAMED_DRAFTER: DraftStats(2, 2)}
 
 
+def test_a_steps_iterations_reach_the_stream_as_one_tokens_event():
+    """A row's later iterations in one step are one burst: one tokens event holding every token in order, with
+    the accepted drafts summed (events are what the engine hands to the streams, one by one)."""
+    import doctest
+
+    import scheduler.core
+
+    assert doctest.testmod(scheduler.core).failed == 0
+    sched = make_scheduler()
+    sched.add(Request("a", (1, 2), max_tokens=20, speculative=spec(2, "snapshot")))
+    sched.update(sched.schedule(), {"a": Committed((5,), 0)})
+    later = [Continued((7, 8), Committed((7, 8, 9), 2), "mtp"), Continued((3, 4), Committed((3, 6), 1), "mtp"),
+             Continued((), Committed((10,), 0), "mtp")]  # fmt: skip
+    events = sched.update(sched.schedule(), {"a": Committed((6,), 0)}, {"a": later})
+    assert events == [TokensEvent("a", (6, 7, 8, 9, 3, 6, 10), events[0].text, 3)]
+
+
 # ---- stops -------------------------------------------------------------------------------------------------
 
 
