@@ -133,6 +133,7 @@ def test_lossless_under_concurrency_for_every_drafter_and_mode(target, draft, pr
 def test_cancel_mid_stream_frees_pages_and_planes(target, prompts):
     async def main():
         engine = Engine(target, **ENGINE)
+        engine.iterations = 1  # a step's iterations reach the stream as one event: one per step, to leave mid-way
         free = (engine.memory.free_pages, engine.memory.free_planes)
         async with engine:
             seen = []

@@ -94,6 +94,7 @@ def test_concurrent_requests_on_one_and_many_connections(model, tokenizer):
 def test_cancel_and_disconnect_mid_stream_free_the_sequence(model, tokenizer):
     async def main():
         async with serving(model, tokenizer) as (url, engine):
+            engine.iterations = 1  # one frame per step (a step's iterations are one frame), to cancel mid-way
             async with Client(url) as client:
                 stream = await client.generate("while True:", max_tokens=40, speculative=None)
                 frames = []
