@@ -16,6 +16,14 @@ def save_json(results: dict, path: str, indent: int = 2) -> None:
         f.write("\n")
 
 
+def run_and_save(run, args) -> dict:
+    """A benchmark's `run(args)`, its results written as JSON to args.out where one is given."""
+    results = run(args)
+    if args.out:
+        save_json(results, args.out)
+    return results
+
+
 def median_seconds(run, repeats: int) -> float:
     """Median wall time of `run()` (which must block until its results are ready) after one warm-up call."""
     run()

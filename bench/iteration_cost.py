@@ -24,9 +24,9 @@ from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
 from jaxmodel.state import Row
 from jaxmodel.tokenizer import load_tokenizer
 
-from . import save_json
+from . import run_and_save
 from .prompts import load_prompt_set
-from .speculation import DEFAULT_MODEL
+from .speculation import model_arguments
 
 KINDS = ("plain", "lookup", "mtp")
 N_DRAFT = 3
@@ -115,18 +115,12 @@ def run(args) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--out", default=None, help="write JSON results here")
-    parser.add_argument("--prompts", default="code", help="a named prompt set or a file (see bench/prompts.py)")
+    model_arguments(parser)
     parser.add_argument("--prompt", type=int, default=0, help="which prompt of the set")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     parser.add_argument("--iterations", type=int, default=32, help="iterations of the longer call")
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args(argv)
-    results = run(args)
-    if args.out:
-        save_json(results, args.out)
-    return results
+    return run_and_save(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import Engine, GenerationRequest
 
-from . import save_json
+from . import run_and_save, save_json
 from .prompts import load_prompt_set
 from .speculation import _run, workload_arguments
 
@@ -85,11 +85,7 @@ def main(argv=None) -> dict:
     workload_arguments(parser, drafters="plain;mtp")
     parser.add_argument("--iterations", default="8,16,32", help="iteration counts per device call, comma-separated")
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args(argv)
-    results = run(args)
-    if args.out:
-        save_json(results, args.out)
-    return results
+    return run_and_save(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

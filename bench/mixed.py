@@ -22,7 +22,7 @@ from jaxmodel import load_model
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import Engine, GenerationRequest
 
-from . import save_json
+from . import run_and_save
 from .prompts import load_prompt_set
 from .speculation import _run, model_arguments
 
@@ -71,11 +71,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    results = run(args)
-    if args.out:
-        save_json(results, args.out)
-    return results
+    return run_and_save(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS
 
 from .prompts import load_prompt_set
-from bench import save_json
+from bench import run_and_save, save_json
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "jaxmodel", "assets")
 DEFAULT_MODEL = os.path.join(ASSETS, "gdnspec-stdlib-target-q8_0.gguf")
@@ -188,11 +188,7 @@ def main(argv=None) -> dict:
                         "(auto, snapshot, checkpoint); each speculative drafter set runs under each")
     parser.add_argument("--synthetic-alpha", type=float, default=None,
                         help="add the `synthetic` drafter with this acceptance rate")
-    args = parser.parse_args(argv)
-    results = run(args)
-    if args.out:
-        save_json(results, args.out)
-    return results
+    return run_and_save(run, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

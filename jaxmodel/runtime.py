@@ -256,7 +256,7 @@ class Runtime:
     with such rows compile apart, for first iterations of up to `lookup_width` tokens: their later iterations run at
     lookup_width tokens where some row feeds drafts and at one token where none does. split_chunks: a step with
     prompt chunks (rows of more than LOOP_MAX_TOKENS tokens) runs them in calls of at most CHUNK_CALL_ROWS rows,
-    apart from its short rows (see `step`); by default on CPU.
+    apart from its short rows, where that pads fewer slots (see `step`, `chunk_calls`); by default on CPU.
     """
 
     def __init__(self, model: Model, *, n_pages: int, n_planes: int, page_size: int = 16,

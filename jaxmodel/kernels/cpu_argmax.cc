@@ -64,7 +64,7 @@ int32_t argmax_row(const float* x, int64_t V) {
       best_index = v;
     }
   }
-  if (any_nan || std::isnan(x[0])) return first_nan(x, V);
+  if (any_nan) return first_nan(x, V);
   return int32_t(best_index);
 }
 

@@ -41,7 +41,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # The CPU kernels' sources, built into one library: the products here, attention (`cpu_attention`), the gated
-# delta rule (`cpu_gdn`).
+# delta rule (`cpu_gdn`), greedy's argmax (`cpu_argmax`).
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_gdn.cc", "cpu_argmax.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vector.h"))
