@@ -12,7 +12,7 @@ import json
 import os
 import warnings
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Iterable, Sequence
 
 import gguf
@@ -264,6 +264,17 @@ class TextTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for: its byte-level characters decoded, or, for a token with characters outside
         that alphabet (added tokens such as "<|im_end|>" or "a b"), its UTF-8 text, as tokenizers' ByteLevel does."""
+        known = self._token_bytes.get(token_id)
+        if known is None:
+            known = self._token_bytes[token_id] = self._decode_token_bytes(token_id)
+        return known
+
+    @cached_property
+    def _token_bytes(self) -> dict[int, bytes]:
+        """token_bytes of the tokens seen so far: the streams detokenize every committed token."""
+        return {}
+
+    def _decode_token_bytes(self, token_id: int) -> bytes:
         token = self.vocab.tokens[token_id]
         decoder = byte_decoder()
         if any(char not in decoder for char in token):

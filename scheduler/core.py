@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .memory import DraftCandidate, MemoryManager, RollbackCosts, pages_for
 from .stops import scan_stop_strings
@@ -282,7 +282,7 @@ class Scheduler:
                 result = committed[row.seq_id]
                 later = (continued or {}).get(row.seq_id, ())
                 self._roll(seq, row, result.n_accepted, trim=not later)
-                events += self._commit(seq, result, row)
+                events += self._commit(seq, result)
                 if later:
                     events += self._continue(seq, row, later)
         self._in_flight = None
@@ -291,18 +291,16 @@ class Scheduler:
     def _continue(self, seq: _Sequence, row: Row, later: Sequence[Continued]) -> list[Event]:
         planes = (row.read_plane,) + row.write_pool
         events: list[Event] = []
+        mode = "snapshot" if len(row.write_pool) > 1 else row.mode
         for iteration in later:
             if seq.request.seq_id not in self._seqs:  # finished by the iteration before
                 return events
             n_drafts = len(iteration.drafts)
             pool = tuple(p for p in planes if p != seq.live_plane)[: len(row.write_pool)]
-            fed = (seq.tokens[-1],)
-            step = replace(row, fed=fed, start=len(seq.tokens) - 1, read_plane=seq.live_plane,
-                           draft_max=n_drafts, mode="snapshot" if len(row.write_pool) > 1 else row.mode,
-                           write_pool=pool, drafts=tuple(iteration.drafts),
-                           drafter=(iteration.drafter or row.drafter or UNNAMED_DRAFTER) if n_drafts else None)  # fmt: skip
-            self._roll(seq, step, iteration.committed.n_accepted, trim=False)
-            events += self._commit(seq, iteration.committed, step)
+            self._advance(seq, mode, start=len(seq.tokens) - 1, n_fed=1, write_pool=pool, n_drafts=n_drafts,
+                          n_accepted=iteration.committed.n_accepted,
+                          drafter=(iteration.drafter or row.drafter or UNNAMED_DRAFTER) if n_drafts else None)
+            events += self._commit(seq, iteration.committed)
         if seq.request.seq_id in self._seqs:
             self._trim_planes(seq)
         return events
@@ -388,26 +386,35 @@ class Scheduler:
 
     def _roll(self, seq: _Sequence, row: Row, n_accepted: int, trim: bool = True) -> None:
         """Move the live plane and n_computed after verification (tokens are appended by `_commit`)."""
-        n_drafts = len(row.drafts)
-        writes = row.write_planes
-        if row.mode == "snapshot":
-            seq.live_plane = writes[len(row.fed) - 1 + n_accepted]
-            seq.n_computed = row.start + len(row.fed) + n_accepted
-        elif row.mode == "replay":  # the plane it wrote, rebuilt on device where wrong
-            seq.live_plane = row.write_pool[0]
-            seq.n_computed = row.start + len(row.fed) + n_accepted
-        elif n_accepted == n_drafts:
-            seq.live_plane = writes[-1]
-            seq.n_computed = row.start + len(row.fed) + n_drafts
+        self._advance(seq, row.mode, row.start, len(row.fed), row.write_pool, len(row.drafts), n_accepted,
+                      row.drafter)
         if trim:
             self._trim_planes(seq)
+
+    @staticmethod
+    def _advance(seq: _Sequence, mode: Mode, start: int, n_fed: int, write_pool: tuple[int, ...],
+                 n_drafts: int, n_accepted: int, drafter: str | None) -> None:
+        """`_roll` for a step of n_fed tokens from `start` and n_drafts drafts, of which n_accepted were accepted
+        (also each later iteration of a looping call, which feeds one token and builds no `Row`). The planes are
+        `Row.write_planes`: snapshot wrote the state after `last` and each draft to write_pool in turn; replay
+        rebuilt its plane on device; otherwise the one plane holds the state after every token fed, valid only
+        when every draft was accepted."""
+        if mode == "snapshot":
+            seq.live_plane = write_pool[n_accepted]
+            seq.n_computed = start + n_fed + n_accepted
+        elif mode == "replay":
+            seq.live_plane = write_pool[0]
+            seq.n_computed = start + n_fed + n_accepted
+        elif n_accepted == n_drafts:
+            seq.live_plane = write_pool[0]
+            seq.n_computed = start + n_fed + n_drafts
         if n_drafts:
-            stats = seq.draft_stats.setdefault(row.drafter, [0, 0])
+            stats = seq.draft_stats.setdefault(drafter, [0, 0])
             stats[0] += n_drafts
             stats[1] += n_accepted
-            seq.rollback_steps[row.mode] += 1
+            seq.rollback_steps[mode] += 1
 
-    def _commit(self, seq: _Sequence, result: Committed, row: Row) -> list[Event]:
+    def _commit(self, seq: _Sequence, result: Committed) -> list[Event]:
         """Append committed tokens up to a stop; emit their ids and the text that is safe to show."""
         req = seq.request
         ids: list[int] = []
@@ -421,12 +428,15 @@ class Scheduler:
                 reason = "stop"
                 break
             ids.append(token)
-            scan = scan_stop_strings(seq.held_text + seq.detokenizer.add(token), req.stop_strings)
-            text += scan.emit
-            seq.held_text = scan.held
-            if scan.stopped:
-                reason, cut_by_stop_string = "stop", True
-                break
+            if req.stop_strings:
+                scan = scan_stop_strings(seq.held_text + seq.detokenizer.add(token), req.stop_strings)
+                text += scan.emit
+                seq.held_text = scan.held
+                if scan.stopped:
+                    reason, cut_by_stop_string = "stop", True
+                    break
+            else:
+                text += seq.detokenizer.add(token)
             if seq.n_generated == req.max_tokens or len(seq.tokens) == self.max_model_len:
                 reason = "length"
                 break

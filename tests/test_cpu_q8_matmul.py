@@ -58,6 +58,35 @@ def test_kernel_matches_reference(M, K, N):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
+def _llama_cpp_order(x, w: Q8Rows) -> np.ndarray:
+    """[M, N]: ggml_vec_dot_q8_0_q8_0's AVX2 arithmetic for each output, in numpy: per block, eight lanes of four
+    exact integer products; lane j += (d_w * d_x) * lane sum (one rounding: the scale product of two f16 values is
+    exact in float32, and float64 holds the product before it is rounded once to float32, as an FMA rounds it);
+    then the lanes summed as hsum_float_8 does."""
+    xq, xd = (np.asarray(a) for a in cpu_matmul.quantize_rows_q8_0(jnp.asarray(x)))
+    wq, wd = (np.asarray(a) for a in w.file_order())
+    (M, K), N = xq.shape, wq.shape[0]
+    lanes = np.einsum("mbji,nbji->mnbj", xq.reshape(M, K // 32, 8, 4).astype(np.int64),
+                      wq.reshape(N, K // 32, 8, 4).astype(np.int64))  # [M, N, blocks, 8]
+    scale = (xd[:, None, :] * wd[None, :, :]).astype(np.float32)  # exact
+    acc = np.zeros((M, N, 8), np.float32)
+    for b in range(K // 32):
+        acc = (acc.astype(np.float64) + scale[:, :, b, None].astype(np.float64) * lanes[:, :, b]).astype(np.float32)
+    l = [acc[..., j] for j in range(8)]
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("K,N", [(192, 13), (1024, 40)])
+def test_kernel_sums_in_llama_cpps_order_bit_for_bit(M, K, N):
+    """Whatever instructions compute it (VNNI's unsigned-by-signed bytes, shuffled scales), each output is the
+    float32 that llama.cpp's AVX2 dot product gives: the bundled model's logits then match llama.cpp's."""
+    x, w = _operands(M, K, N, seed=7)
+    got = np.asarray(jax.jit(cpu_matmul.q8_rows_matmul)(x, w.quants, w.scales))
+    np.testing.assert_array_equal(got, _llama_cpp_order(x, w))
+
+
 @needs_kernel
 def test_product_is_within_quantization_error_of_the_float32_product():
     x, w = _operands(4, 1024, 64)
