@@ -14,8 +14,9 @@ Both take `live` [M], which rows are real: a step padded to its shape bucket (to
 empty rows) skips the padding's products, so it costs its tokens; those rows come back as 0.
 
 The library, these products, CPU attention (`cpu_attention`, from cpu_attention.cc), the gated delta rule
-(`cpu_gdn`, from cpu_gdn.cc) and greedy's argmax (`cpu_argmax`, from cpu_argmax.cc), is compiled from the sources beside this file with the system's C++ compiler ($CXX, else g++) for the machine it runs on
-(-march=native), on first use or by `build()` (the Makefile's install step), into $GDNSPEC_KERNEL_DIR (default
+(`cpu_gdn`, from cpu_gdn.cc) and greedy's argmax (`cpu_argmax`, from cpu_argmax.cc), is compiled from the sources
+beside this file with the system's C++ compiler ($CXX, else g++) for the machine it runs on (-march=native), on first
+use or by `build()` (the Makefile's install step), into $GDNSPEC_KERNEL_DIR (default
 ~/.cache/gdnspec/kernels), named by a digest of the sources, the flags, jaxlib's version and the CPU's features.
 Without a compiler, or with GDNSPEC_CPU_KERNEL=0, `available()` is False and the model keeps XLA's products and
 attention.
