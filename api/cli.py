@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -266,39 +267,13 @@ def _make_random(args) -> int:
     return 0
 
 
+BENCHMARKS = {"step": "bench.step", "engine": "bench.engine", "speculation": "bench.speculation",
+              "iterations": "bench.iterations", "iteration-cost": "bench.iteration_cost", "mixed": "bench.mixed",
+              "peer": "bench.peer", "attention": "bench.attention", "q8-product": "bench.q8_product"}
+
+
 def _bench(args) -> int:
-    if args.what == "step":
-        from bench.step import main as bench_step
-
-        bench_step(args.rest)
-    elif args.what == "engine":
-        from bench.engine import main as bench_engine
-
-        bench_engine(args.rest)
-    elif args.what == "peer":
-        from bench.peer import main as bench_peer
-
-        bench_peer(args.rest)
-    elif args.what == "attention":
-        from bench.attention import main as bench_attention
-
-        bench_attention(args.rest)
-    elif args.what == "speculation":
-        from bench.speculation import main as bench_speculation
-
-        bench_speculation(args.rest)
-    elif args.what == "iterations":
-        from bench.iterations import main as bench_iterations
-
-        bench_iterations(args.rest)
-    elif args.what == "iteration-cost":
-        from bench.iteration_cost import main as bench_iteration_cost
-
-        bench_iteration_cost(args.rest)
-    elif args.what == "mixed":
-        from bench.mixed import main as bench_mixed
-
-        bench_mixed(args.rest)
+    importlib.import_module(BENCHMARKS[args.what]).main(args.rest)
     return 0
 
 
@@ -374,10 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.set_defaults(func=_make_random)
 
-    p = sub.add_parser("bench", help="benchmarks: bench step|engine|speculation|iterations|iteration-cost|mixed|peer|"
-                                     "attention --model M ...")
-    p.add_argument("what", choices=["step", "engine", "speculation", "iterations", "iteration-cost", "mixed", "peer",
-                                    "attention"])
+    p = sub.add_parser("bench", help=f"benchmarks: bench {'|'.join(BENCHMARKS)} [--model M ...]")
+    p.add_argument("what", choices=list(BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_bench)
     return parser

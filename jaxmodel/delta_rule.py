@@ -290,10 +290,8 @@ def choose_implementation(backend: str, n_tokens: int, final_only: bool, cpu_ker
     On CPU the kernel (`kernels.cpu_gdn`) takes every step, prompt chunks included (and replay's rebuild): one
     order of summation for every token whatever its step's length or batch, so a decoding row batched with a
     prompt chunk computes what it would alone, and greedy speculative output equals plain output under
-    concurrency. XLA's scan, whose order on the bundled Q8_0 model reproduces llama.cpp's logits to 1e-5 over a
-    32-token batch (the kernel's puts them up to 0.03 apart, the same argmax: tests/test_cpu_q8_matmul.py forces
-    the scan with FORCE_IMPL for that comparison), also costs several times the kernel on prompt chunks (README,
-    "Prefill on CPU").
+    concurrency. XLA's scan (FORCE_IMPL = "scan"; tests/test_cpu_q8_matmul.py compares both with llama.cpp) costs
+    several times the kernel on prompt chunks (README, "Prefill on CPU").
 
     Without the kernels, CPU thresholds measured on this project's shared 2-core machine (B=1, final_only, median
     of 15, noisy):

@@ -43,11 +43,11 @@ class Q8Rows:
     """A matmul weight [n_in, n_out] kept as the file's Q8_0 blocks, one row per output (GGUF's order): int8 quants
     and one float32 scale (the file's f16) per 32 inputs, for the CPU Q8_0 product
     (`jaxmodel.kernels.cpu_matmul.q8_rows_matmul`); `load_model` keeps Q8_0 matmul weights so on CPU, and
-    `layers.linear` takes it. Both arrays hold the product's order: each group of four rows' blocks interleaved
-    (`cpu_matmul.interleave_q8_rows`; `from_file_order`, `file_order`). shape and dtype are those of the
+    `layers.linear` takes it. Both arrays hold the product's order: groups of eight rows, four bytes of each in
+    turn (`cpu_matmul.interleave_q8_rows`; `from_file_order`, `file_order`). shape and dtype are those of the
     dequantized [n_in, n_out] float32 weight."""
 
-    quants: jax.Array  # [n_out, n_in] int8, interleaved by groups of four rows
+    quants: jax.Array  # [n_out, n_in] int8, interleaved by groups of eight rows
     scales: jax.Array  # [n_out, n_in / 32] float32, likewise
 
     @staticmethod

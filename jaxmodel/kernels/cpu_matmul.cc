@@ -1,7 +1,8 @@
 // Matrix products on CPU, XLA FFI custom calls over weights in GGUF's [N, K] order:
 //   gdnspec_rows_matmul     out[M, N] = x[M, K] @ w[N, K]^T, float32 weights (below);
-//   gdnspec_q8_rows_matmul  the same with Q8_0 weights, as llama.cpp computes it, each group of four rows' blocks
-//                           interleaved as llama.cpp repacks them (further below, "Q8_0").
+//   gdnspec_q8_rows_matmul  the same with Q8_0 weights, with llama.cpp's Q8_0 arithmetic (x quantized to 8 bits,
+//                           exact integer products per block), eight rows' quants interleaved four bytes at a time
+//                           (further below, "Q8_0").
 // Both take live [M] (int32): rows where it is 0 are padding (a batch's empty rows, the tokens past a row's own in
 // a padded step) and are not computed; their output is 0. A step padded to its shape bucket then costs its tokens.
 //
@@ -10,9 +11,10 @@
 // about what one row costs, where XLA's CPU dot packs the whole weight for each product and a 4-row one costs
 // 2-2.5x a one-row one (README, "Model step"). Output columns are split in chunks over XLA's intra-op thread pool.
 //
-// Every output element is summed in the same order whatever M and the chunking: eight strided partial sums over k
-// (one per vector lane), added lane by lane, then the tail k >= K & ~7. So row m of a product does not depend on
-// the other rows, and a verify step's logits equal a one-token step's bit for bit (and a prompt chunk's).
+// Every output element is summed in the same order whatever M and the chunking (float32: eight strided partial sums
+// over k, one per vector lane, added lane by lane, then the tail k >= K & ~7; Q8_0: block after block). So row m of
+// a product does not depend on the other rows, and a verify step's logits equal a one-token step's bit for bit (and
+// a prompt chunk's).
 //
 // References: `rows_matmul_reference` and `q8_rows_matmul_reference` in cpu_matmul.py; tests:
 // tests/test_cpu_matmul.py and tests/test_cpu_q8_matmul.py.
@@ -20,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -147,14 +150,24 @@ ffi::Error RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 // ---------------------------------------------------------------------------------------------- Q8_0
 //
-// out[M, N] = x[M, K] @ dequant(wq[N, K], wd[N, K/32])^T the way llama.cpp's CPU backend computes a Q8_0 matmul:
-// each row of x is quantized to Q8_0 (quantize_row_q8_0), and each output is ggml_vec_dot_q8_0_q8_0 on AVX2
-// (with VNNI where the CPU has it): per block of 32, eight lanes of exact 4-product integer sums, scaled by
-// d_w * d_x and accumulated with FMA across blocks, the lanes then summed as hsum_float_8 does. The weight is read
-// as int8 (a quarter of float32's bytes), one group of four rows at a time from one contiguous stream (Q8Layout),
-// and the products are 8-bit. A row's result depends on that row of x only, for every M.
+// out[M, N] = x[M, K] @ dequant(wq[N, K], wd[N, K/32])^T with llama.cpp's Q8_0 arithmetic: each row of x quantized
+// to Q8_0 (quantize_row_q8_0), and per block of 32 one exact integer dot product of the two blocks' quants. Each
+// output then sums its blocks in order, one FMA each:
+//   acc = fma(d_w[n, b] * d_x[m, b], float(dot_b), acc)
+// (the scale product of two f16 values is exact in float32, and so is the integer, |dot_b| < 2^19), whatever the
+// instructions, M and the chunking: a row's result depends on that row of x only. This is the order of llama.cpp's
+// repacked Q8_0 GEMMs (a block's products summed as one integer, then scaled), not of its x86 vec_dot, which keeps
+// eight partial sums per block; the two differ in the last bits of a float32 sum.
+//
+// The weight is read as int8, a group of eight rows at a time from one contiguous stream (Q8Layout): block b of a
+// group is eight vectors of 32 bytes, vector q holding bytes 4q..4q+3 of each of the eight rows. One integer
+// product instruction (VNNI's vpdpbusd, or AVX2's maddubs and madd) of such a vector with four bytes of x broadcast
+// adds to eight lanes, one per weight row, so after eight of them each lane holds its row's whole block product:
+// one conversion and one FMA then serve eight outputs, where keeping eight partial sums per output took one each.
 
 constexpr int64_t kQ8Block = 32;
+constexpr int64_t kQ8RowGroup = 8;   // weight rows interleaved together, one per vector lane
+constexpr int64_t kQ8Quad = 4;       // bytes of a row side by side in a vector (one lane's products)
 constexpr int64_t kQ8MinParallelWork = 1 << 16;  // products (M * N * K) below which one thread does it all
 
 inline float round_to_f16(float v) {
@@ -174,20 +187,10 @@ inline __m256i dot_bytes(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbu
 #else
 #define GDNSPEC_VNNI 0
 #endif
-
-// With VNNI each weight block is read offset by 128 (w ^ 0x80 as unsigned bytes, 0..255), because the instruction
-// multiplies unsigned bytes by signed ones: sum((w + 128) * x) - 128 * sum(x) = sum(w * x), exactly, so the lane
-// sums are those of llama.cpp's AVX2 path and a block costs one integer instruction per row of x and weight row.
-// The correction -128 * sum(x) depends on x alone: it is computed once per block of each row of x
-// (`x_lane_offsets`) and starts the instruction's accumulator.
-#if GDNSPEC_VNNI
-void x_lane_offsets(const int8_t* q, int64_t blocks, int32_t* offsets) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m256i x = _mm256_loadu_si256((const __m256i*)(q + b * kQ8Block));
-    const __m256i sums = dot_bytes(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), x);  // 128 * sum of 4
-    _mm256_storeu_si256((__m256i*)(offsets + b * 8), _mm256_sub_epi32(_mm256_setzero_si256(), sums));
-  }
-}
+#if defined(__AVX2__) && defined(__FMA__)
+#define GDNSPEC_Q8_VECTOR 1
+#else
+#define GDNSPEC_Q8_VECTOR 0
 #endif
 
 // llama.cpp's quantize_row_q8_0 (its AVX2 path): d = amax / 127 stored as f16, q = x * (127 / amax) rounded to
@@ -204,163 +207,132 @@ void quantize_rows_q8_0(const float* x, int64_t M, int64_t K, int8_t* q, float* 
   }
 }
 
-// hsum_float_8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-inline float lane_sum_q8(v8 v) {
-  return ((v[4] + v[0]) + (v[6] + v[2])) + ((v[5] + v[1]) + (v[7] + v[3]));
-}
-
-#ifdef __AVX2__
-// lane_sum_q8 of eight accumulators at once, the same additions of the same pairs: lane i = lane_sum_q8(a[i]).
-// With K = 192 (the bundled model) a tile runs six blocks, and summing its sixteen outputs one by one cost about
-// as much as the blocks.
-inline __m256 lane_sums_q8(const v8* a) {
-  __m256 h[4];  // h[i] = [a[2i].hi + a[2i].lo | a[2i+1].hi + a[2i+1].lo]: lanes (l0 + l4, l1 + l5, l2 + l6, l3 + l7)
-  for (int i = 0; i < 4; ++i) {
-    const __m256 x = (__m256)a[2 * i], y = (__m256)a[2 * i + 1];
-    h[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x31), _mm256_permute2f128_ps(x, y, 0x20));
+// With VNNI each weight vector is read offset by 128 (w ^ 0x80 as unsigned bytes, 0..255), because the instruction
+// multiplies unsigned bytes by signed ones: sum((w + 128) * x) - 128 * sum(x) = sum(w * x), exactly. The
+// correction depends on x alone: -128 * sum(x) of each block of each row of x, computed once per product, starts
+// the block's integer accumulators.
+void x_block_offsets(const int8_t* q, int64_t blocks, int32_t* offsets) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    int32_t sum = 0;
+    for (int i = 0; i < kQ8Block; ++i) sum += q[b * kQ8Block + i];
+    offsets[b] = -128 * sum;
   }
-  __m256 pq[2];  // per half: (P, Q, P, Q) of two accumulators, P = c0 + c2 and Q = c1 + c3
-  for (int i = 0; i < 2; ++i)
-    pq[i] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                          _mm256_shuffle_ps(h[2 * i], h[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pq[0], pq[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm256_shuffle_ps(pq[0], pq[1], _MM_SHUFFLE(3, 1, 3, 1)));  // a0 a2 a4 a6 | a1 a3 a5 a7
-  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-// The eight lane sums of one block: lane j = sum of w[4j + i] * x[4j + i], i < 4 (llama.cpp's
-// mul_sum_i8_pairs_float, with |w| shared by the rows of x).
-inline __m256 block_lanes(__m256i w_abs, __m256i w, __m256i x) {
-  const __m256i products = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w));  // 16 pair sums, no overflow
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(products, _mm256_set1_epi16(1)));
-}
-#endif
-
-// Where the weight's blocks lie: rows in groups of kQ8RowGroup (the last group may hold fewer, g), each group's
-// blocks interleaved row by row, block b of its g rows one after another (llama.cpp's repacked q8_0x4 order;
-// `interleave_q8_rows` in cpu_matmul.py); the scales likewise. A tile of a group's rows then reads one contiguous
-// stream, which the hardware prefetchers follow at about twice the rate of four rows K bytes apart (a one-row
-// product of the 0.8B FFN's weights, one thread, from memory: 22.8 against 9.9 GB/s).
-constexpr int64_t kQ8RowGroup = 4;
-
+// Where the weight's bytes lie: rows in groups of kQ8RowGroup (the last group may hold fewer, g); within a group,
+// block after block, and within a block, quad q (bytes 4q..4q+3 of each row) of the group's g rows one after
+// another (`interleave_q8_rows` in cpu_matmul.py). A group's scales: block after block, g each.
 struct Q8Layout {
   int64_t K, N, nb;
-  // Offsets of block b of row n in the quants (bytes) and in the scales.
-  int64_t block(int64_t n, int64_t b) const {
-    const int64_t first = n - n % kQ8RowGroup, g = std::min(kQ8RowGroup, N - first);
-    return first * K + (b * g + n % kQ8RowGroup) * kQ8Block;
+  int64_t group_first(int64_t n) const { return n - n % kQ8RowGroup; }
+  int64_t group_rows(int64_t n) const { return std::min(kQ8RowGroup, N - group_first(n)); }
+  // Byte k of row n.
+  int64_t byte(int64_t n, int64_t k) const {
+    const int64_t first = group_first(n), g = group_rows(n), b = k / kQ8Block, q = k % kQ8Block / kQ8Quad;
+    return first * K + ((b * (kQ8Block / kQ8Quad) + q) * g + n - first) * kQ8Quad + k % kQ8Quad;
   }
+  // The scale of block b of row n.
   int64_t scale(int64_t n, int64_t b) const {
-    const int64_t first = n - n % kQ8RowGroup, g = std::min(kQ8RowGroup, N - first);
-    return first * nb + b * g + n % kQ8RowGroup;
+    const int64_t first = group_first(n);
+    return first * nb + b * group_rows(n) + n - first;
   }
 };
 
-// xo: x_lane_offsets of the rows of x (VNNI only; else unused).
-template <int MR, int NR>
-void q8_row_block(const int8_t* xq, const float* xd, const int32_t* xo, const int8_t* wq, const float* wd,
-                  float* const* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+// Outputs [n0, n1) of MR rows of x, one row and output at a time, in the kernel's order: any rows of any group (a
+// last group of fewer than eight rows; every row where the CPU has no AVX2).
+template <int MR>
+void q8_outputs_one_by_one(const int8_t* xq, const float* xd, const int8_t* wq, const float* wd, float* const* out,
+                           int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t nb = K / kQ8Block;
   const Q8Layout layout{K, N, nb};
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
-    v8 acc[MR][NR];
-    for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < NR; ++r) acc[m][r] = v8{};
-    for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int m = 0; m < MR; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t k = b * kQ8Block; k < (b + 1) * kQ8Block; ++k)
+          dot += int32_t(wq[layout.byte(n, k)]) * int32_t(xq[m * K + k]);
+        acc = std::fma(wd[layout.scale(n, b)] * xd[m * nb + b], float(dot), acc);
+      }
+      out[m][n] = acc;
+    }
+}
+
+#if GDNSPEC_Q8_VECTOR
+// Outputs [n, n + 8 NG) of MR rows of x: NG whole groups. MR * NG integer accumulators, each a chain of eight
+// products per block, keep the integer units busy; the weight vectors are loaded once for all MR rows of x.
+// xo: x_block_offsets of the rows of x (VNNI only; else unused).
+template <int MR, int NG>
+void q8_groups(const int8_t* xq, const float* xd, const int32_t* xo, const int8_t* wq, const float* wd,
+               float* const* out, int64_t K, int64_t n) {
+  const int64_t nb = K / kQ8Block;
+  const int8_t* wn = wq + n * K;    // group j at wn + j * 8K, block b of it at + 256 b
+  const float* dn = wd + n * nb;    // group j at dn + j * 8 nb, block b of it at + 8 b
+  __m256 acc[MR][NG];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NG; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i dot[MR][NG];  // lane r: the integer product of block b, weight row 8j + r and row m of x
+    for (int m = 0; m < MR; ++m) {
 #if GDNSPEC_VNNI
-      __m256i w[NR];
-      for (int r = 0; r < NR; ++r) {
-        w[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wq + layout.block(n + r, b))),
-                                _mm256_set1_epi8(char(0x80)));
-        __asm__("" : "+x"(w[r]));  // in a register for all MR rows of x, not reloaded for each
-      }
-      if constexpr (NR == 4) {
-        // The scale of block b for each (m, r), d_w[r] * d_x[m] (exact in float32: both are f16 values): one
-        // product for two rows of x and four weight rows (a whole group's scales lie together), spread over a
-        // vector by shuffles, which run beside the products where a multiply per (m, r) would compete with them
-        // (one row of x: 1.5x faster, timed alone).
-        const __m256 dw = _mm256_broadcast_ps((const __m128*)(wd + layout.scale(n, b)));
-        for (int m2 = 0; m2 < MR; m2 += 2) {
-          const __m128 lo = _mm_broadcast_ss(xd + m2 * nb + b);
-          const __m128 hi = m2 + 1 < MR ? _mm_broadcast_ss(xd + (m2 + 1) * nb + b) : lo;
-          const __m256 scales = _mm256_mul_ps(dw, _mm256_set_m128(hi, lo));  // [d_w * d_x[m2] | d_w * d_x[m2 + 1]]
-          for (int h = 0; h < 2 && m2 + h < MR; ++h) {
-            const int m = m2 + h;
-            const __m256 row = _mm256_permute2f128_ps(scales, scales, h ? 0x11 : 0x00);
-            __m256i x = _mm256_loadu_si256((const __m256i*)(xq + m * K + b * kQ8Block));
-            __asm__("" : "+x"(x));
-            const __m256i offset = _mm256_loadu_si256((const __m256i*)(xo + (m * nb + b) * 8));
-            acc[m][0] = multiply_add(acc[m][0], (v8)_mm256_permute_ps(row, 0x00),
-                                     (v8)_mm256_cvtepi32_ps(dot_bytes(offset, w[0], x)));
-            acc[m][1] = multiply_add(acc[m][1], (v8)_mm256_permute_ps(row, 0x55),
-                                     (v8)_mm256_cvtepi32_ps(dot_bytes(offset, w[1], x)));
-            acc[m][2] = multiply_add(acc[m][2], (v8)_mm256_permute_ps(row, 0xAA),
-                                     (v8)_mm256_cvtepi32_ps(dot_bytes(offset, w[2], x)));
-            acc[m][3] = multiply_add(acc[m][3], (v8)_mm256_permute_ps(row, 0xFF),
-                                     (v8)_mm256_cvtepi32_ps(dot_bytes(offset, w[3], x)));
-          }
-        }
-      } else {
-        __m256 dw[NR];
-        for (int r = 0; r < NR; ++r) dw[r] = _mm256_broadcast_ss(wd + layout.scale(n + r, b));
-        for (int m = 0; m < MR; ++m) {
-          const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + m * K + b * kQ8Block));
-          const __m256i offset = _mm256_loadu_si256((const __m256i*)(xo + (m * nb + b) * 8));
-          const __m256 dx = _mm256_broadcast_ss(xd + m * nb + b);
-          for (int r = 0; r < NR; ++r)
-            acc[m][r] = multiply_add(acc[m][r], (v8)_mm256_mul_ps(dw[r], dx),
-                                     (v8)_mm256_cvtepi32_ps(dot_bytes(offset, w[r], x)));
-        }
-      }
-#elif defined(__AVX2__)
-      __m256i w[NR], w_abs[NR];
-      for (int r = 0; r < NR; ++r) {
-        w[r] = _mm256_loadu_si256((const __m256i*)(wq + layout.block(n + r, b)));
-        w_abs[r] = _mm256_sign_epi8(w[r], w[r]);
-      }
-      __m256 dw[NR];
-      for (int r = 0; r < NR; ++r) dw[r] = _mm256_broadcast_ss(wd + layout.scale(n + r, b));
-      for (int m = 0; m < MR; ++m) {
-        const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + m * K + b * kQ8Block));
-        const __m256 dx = _mm256_broadcast_ss(xd + m * nb + b);
-        for (int r = 0; r < NR; ++r)
-          acc[m][r] = multiply_add(acc[m][r], (v8)_mm256_mul_ps(dw[r], dx), (v8)block_lanes(w_abs[r], w[r], x));
-      }
+      const __m256i start = _mm256_set1_epi32(xo[m * nb + b]);
 #else
+      const __m256i start = _mm256_setzero_si256();
+#endif
+      for (int j = 0; j < NG; ++j) dot[m][j] = start;
+    }
+    for (int q = 0; q < kQ8Block / kQ8Quad; ++q) {
+      __m256i w[NG];
+#if !GDNSPEC_VNNI
+      __m256i w_abs[NG];
+#endif
+      for (int j = 0; j < NG; ++j) {
+        w[j] = _mm256_loadu_si256((const __m256i*)(wn + j * kQ8RowGroup * K + b * kQ8RowGroup * kQ8Block + q * 32));
+#if GDNSPEC_VNNI
+        w[j] = _mm256_xor_si256(w[j], _mm256_set1_epi8(char(0x80)));
+#else
+        w_abs[j] = _mm256_sign_epi8(w[j], w[j]);
+#endif
+      }
       for (int m = 0; m < MR; ++m) {
-        const int8_t* x = xq + m * K + b * kQ8Block;
-        for (int r = 0; r < NR; ++r) {
-          const int8_t* w = wq + layout.block(n + r, b);
-          const float scale = wd[layout.scale(n + r, b)] * xd[m * nb + b];
-          for (int j = 0; j < 8; ++j) {
-            int32_t s = 0;
-            for (int i = 0; i < 4; ++i) s += int32_t(w[4 * j + i]) * int32_t(x[4 * j + i]);
-            acc[m][r][j] = std::fma(scale, float(s), acc[m][r][j]);
-          }
+        int32_t quad;
+        std::memcpy(&quad, xq + m * K + b * kQ8Block + q * kQ8Quad, sizeof quad);
+        const __m256i x = _mm256_set1_epi32(quad);
+        for (int j = 0; j < NG; ++j) {
+#if GDNSPEC_VNNI
+          dot[m][j] = dot_bytes(dot[m][j], w[j], x);
+#else
+          const __m256i pairs = _mm256_maddubs_epi16(w_abs[j], _mm256_sign_epi8(x, w[j]));  // no overflow
+          dot[m][j] = _mm256_add_epi32(dot[m][j], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
         }
       }
-#endif
     }
-#ifdef __AVX2__
-    if constexpr (NR == 4) {
-      for (int m = 0; m < MR; m += 2) {
-        const v8 a[8] = {acc[m][0], acc[m][1], acc[m][2], acc[m][3],
-                         m + 1 < MR ? acc[m + 1][0] : v8{}, m + 1 < MR ? acc[m + 1][1] : v8{},
-                         m + 1 < MR ? acc[m + 1][2] : v8{}, m + 1 < MR ? acc[m + 1][3] : v8{}};
-        const __m256 sums = lane_sums_q8(a);
-        _mm_storeu_ps(out[m] + n, _mm256_castps256_ps128(sums));
-        if (m + 1 < MR) _mm_storeu_ps(out[m + 1] + n, _mm256_extractf128_ps(sums, 1));
-      }
-      continue;
+    __m256 dw[NG];
+    for (int j = 0; j < NG; ++j) dw[j] = _mm256_loadu_ps(dn + j * kQ8RowGroup * nb + b * kQ8RowGroup);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dx = _mm256_broadcast_ss(xd + m * nb + b);
+      for (int j = 0; j < NG; ++j)
+        acc[m][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), _mm256_cvtepi32_ps(dot[m][j]), acc[m][j]);
     }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NG; ++j) _mm256_storeu_ps(out[m] + n + j * kQ8RowGroup, acc[m][j]);
+}
 #endif
-    for (int m = 0; m < MR; ++m)
-      for (int r = 0; r < NR; ++r) out[m][n + r] = lane_sum_q8(acc[m][r]);
-  }
-  if constexpr (NR > 1) {
-    if (n < n1) q8_row_block<MR, 1>(xq, xd, xo, wq, wd, out, K, N, n, n1);
-  }
+
+// Outputs [n0, n1) of MR rows of x (n0 at a group's start): whole groups by q8_groups, NG at a time then one, and
+// a last group of fewer rows one output at a time.
+template <int MR, int NG>
+void q8_row_block(const int8_t* xq, const float* xd, const int32_t* xo, const int8_t* wq, const float* wd,
+                  float* const* out, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+#if GDNSPEC_Q8_VECTOR
+  const int64_t whole = n0 + (n1 - n0) / kQ8RowGroup * kQ8RowGroup;
+  for (; n + NG * kQ8RowGroup <= whole; n += NG * kQ8RowGroup) q8_groups<MR, NG>(xq, xd, xo, wq, wd, out, K, n);
+  for (; n < whole; n += kQ8RowGroup) q8_groups<MR, 1>(xq, xd, xo, wq, wd, out, K, n);
+#endif
+  q8_outputs_one_by_one<MR>(xq, xd, wq, wd, out, K, N, n, n1);
 }
 
 void q8_columns(const int8_t* xq, const float* xd, const int32_t* xo, const int8_t* wq, const float* wd,
@@ -369,13 +341,13 @@ void q8_columns(const int8_t* xq, const float* xd, const int32_t* xo, const int8
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int8_t* xm = xq + m0 * K;
     const float* dm = xd + m0 * nb;
-    const int32_t* offsets = xo + m0 * nb * 8;
+    const int32_t* offsets = xo + m0 * nb;
     float* const* om = out + m0;
     switch (std::min<int64_t>(kRowBlock, M - m0)) {
       case 1: q8_row_block<1, 4>(xm, dm, offsets, wq, wd, om, K, N, n0, n1); break;
-      case 2: q8_row_block<2, 4>(xm, dm, offsets, wq, wd, om, K, N, n0, n1); break;
-      case 3: q8_row_block<3, 4>(xm, dm, offsets, wq, wd, om, K, N, n0, n1); break;
-      default: q8_row_block<4, 4>(xm, dm, offsets, wq, wd, om, K, N, n0, n1); break;
+      case 2: q8_row_block<2, 2>(xm, dm, offsets, wq, wd, om, K, N, n0, n1); break;
+      case 3: q8_row_block<3, 2>(xm, dm, offsets, wq, wd, om, K, N, n0, n1); break;
+      default: q8_row_block<4, 2>(xm, dm, offsets, wq, wd, om, K, N, n0, n1); break;
     }
   }
 }
@@ -394,7 +366,7 @@ ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   thread_local LiveRows rows;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
-  thread_local std::vector<int32_t> xo;  // x_lane_offsets (VNNI)
+  thread_local std::vector<int32_t> xo;  // x_block_offsets (VNNI)
   rows.find(live.typed_data(), M, out->typed_data(), N);
   const int64_t L = rows.count(), nb = K / kQ8Block;
   if (L == 0) return ffi::Error::Success();
@@ -403,8 +375,8 @@ ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   for (int64_t i = 0; i < L; ++i)
     quantize_rows_q8_0(x.typed_data() + rows.index[i] * K, 1, K, xq.data() + i * K, xd.data() + i * nb);
 #if GDNSPEC_VNNI
-  if (xo.size() < size_t(L * nb * 8)) xo.resize(L * nb * 8);
-  x_lane_offsets(xq.data(), L * nb, xo.data());
+  if (xo.size() < size_t(L * nb)) xo.resize(L * nb);
+  x_block_offsets(xq.data(), L * nb, xo.data());
 #endif
   const int32_t* xop = xo.data();
   const int8_t* xqp = xq.data();

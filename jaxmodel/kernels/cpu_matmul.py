@@ -5,10 +5,12 @@ so a 4-row product costs 1.2-1.5x a one-row one alone (1.8x inside the 0.8B step
 (README, "Model step"); `linear` uses it for every M when `load_model` stored a weight transposed
 (`weights.Transposed`, `precision.takes_rows_kernel`).
 
-`q8_rows_matmul(x [M, K], quants [N, K], scales [N, K/32]) -> [M, N]`, Q8_0 weights as the file holds them, each
-group of four rows' blocks interleaved (`interleave_q8_rows`; `weights.Q8Rows`): llama.cpp's CPU arithmetic for a
-Q8_0 matmul (x quantized to Q8_0 per row, 8-bit products), reading a quarter of float32's bytes; `linear` uses it
-for every M. On the bundled Q8_0 model its logits equal llama.cpp's (tests/test_cpu_q8_matmul.py).
+`q8_rows_matmul(x [M, K], quants [N, K], scales [N, K/32]) -> [M, N]`, Q8_0 weights as the file holds them, eight
+rows' quants interleaved four bytes at a time (`interleave_q8_rows`; `weights.Q8Rows`): llama.cpp's arithmetic for
+a Q8_0 matmul (x quantized to Q8_0 per row, each block's 8-bit products summed exactly as one integer, then scaled),
+reading a quarter of float32's bytes; `linear` uses it for every M. On the bundled Q8_0 model its logits stay within
+0.2 of llama.cpp's, same argmax (tests/test_cpu_q8_matmul.py): llama.cpp's x86 dot product sums a block in eight
+partial sums, so the last bits differ.
 
 Both take `live` [M], which rows are real: a step padded to its shape bucket (tokens past a row's own, a batch's
 empty rows) skips the padding's products, so it costs its tokens; those rows come back as 0.
@@ -52,7 +54,8 @@ TARGET_ATTENTION = "gdnspec_paged_attention"
 TARGET_GDN = "gdnspec_gdn_recurrent"
 TARGET_ARGMAX = "gdnspec_argmax_rows"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
-Q8_ROW_GROUP = 4  # rows whose blocks the Q8_0 product's weights interleave (cpu_matmul.cc, "Q8_0")
+Q8_ROW_GROUP = 8  # rows the Q8_0 product's weights interleave, one per vector lane (cpu_matmul.cc, "Q8_0")
+Q8_QUAD = 4  # bytes of a row side by side in the interleaved order
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
@@ -179,15 +182,18 @@ def _regroup_q8_rows(quants, scales, to_kernel: bool):
     """quants [N, K] and scales [N, K/32] between the file's order and the kernel's (`interleave_q8_rows`)."""
     xp = jnp if isinstance(quants, jax.Array) or isinstance(scales, jax.Array) else np
     N, K = quants.shape
-    n_blocks = K // Q8_BLOCK
+    n_blocks, quads = K // Q8_BLOCK, Q8_BLOCK // Q8_QUAD
     full = N // Q8_ROW_GROUP * Q8_ROW_GROUP
 
     def regroup(q, s, g):  # q [n, K], s [n, n_blocks], n a multiple of g
-        n = q.shape[0]
-        q_shape, s_shape = ((n // g, g, n_blocks, Q8_BLOCK), (n // g, g, n_blocks)) if to_kernel else \
-            ((n // g, n_blocks, g, Q8_BLOCK), (n // g, n_blocks, g))
-        return (q.reshape(q_shape).transpose(0, 2, 1, 3).reshape(n, K),
-                s.reshape(s_shape).transpose(0, 2, 1).reshape(n, n_blocks))
+        groups = q.shape[0] // g
+        file_q, kernel_q = (groups, g, n_blocks, quads, Q8_QUAD), (groups, n_blocks, quads, g, Q8_QUAD)
+        file_s, kernel_s = (groups, g, n_blocks), (groups, n_blocks, g)
+        if to_kernel:
+            return (q.reshape(file_q).transpose(0, 2, 3, 1, 4).reshape(q.shape),
+                    s.reshape(file_s).transpose(0, 2, 1).reshape(s.shape))
+        return (q.reshape(kernel_q).transpose(0, 3, 1, 2, 4).reshape(q.shape),
+                s.reshape(kernel_s).transpose(0, 2, 1).reshape(s.shape))
 
     parts = [regroup(quants[:full], scales[:full], Q8_ROW_GROUP)] if full else []
     if N > full:
@@ -199,11 +205,13 @@ def _regroup_q8_rows(quants, scales, to_kernel: bool):
 
 def interleave_q8_rows(quants, scales):
     """Q8_0 quants [N, K] int8 and scales [N, K/32] in the file's order -> the kernel's (numpy or jax arrays): rows in
-    groups of Q8_ROW_GROUP (the last may hold fewer, g), each group's blocks interleaved row by row, as llama.cpp
-    repacks Q8_0 weights (q8_0x4), so that a tile of a group's rows streams from one place.
+    groups of Q8_ROW_GROUP = 8 (the last may hold fewer, g), each group stored block after block, and within a
+    block, four bytes of each of its rows in turn (quad q: bytes 4q..4q+3 of row 0, of row 1, ...). One 32-byte
+    vector then holds four consecutive quants of each of eight rows, one row per lane of an integer product, and a
+    tile of a group's rows streams from one place. Scales: block after block, the group's g each.
 
-    Example, two rows a, b of two blocks (one group of g = 2): quants a[block 0] b[block 0] a[block 1] b[block 1],
-    scales a0 b0 a1 b1."""
+    Example, two rows a, b of one block of 32 (one group of g = 2): quants a[0:4] b[0:4] a[4:8] b[4:8] ...
+    a[28:32] b[28:32]; with two blocks, scales a0 b0 a1 b1."""
     return _regroup_q8_rows(quants, scales, to_kernel=True)
 
 
