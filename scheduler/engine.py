@@ -26,7 +26,7 @@ from drafters import standard_drafters
 from drafters.base import DraftRequest, Drafter
 from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
 from jaxmodel.model import Model
-from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
+from jaxmodel.runtime import RowLoop, RowResult, Runtime, Shapes, StepRow
 from jaxmodel.state import bytes_per_plane, kv_bytes_per_page, replay_bytes_per_token
 
 from .core import Scheduler
@@ -70,6 +70,18 @@ DEFAULT_DRAFT_VOCAB = None
 # The most drafts an n-gram lookup feeds per iteration inside a device call (`Drafter.device_lookup`); its later
 # iterations are compiled at 1 + this many tokens (and at one, for iterations in which no row finds a match).
 LOOKUP_DRAFTS = 3
+
+
+def tokens_per_iteration(first: int, results: Sequence[RowResult], n_iterations: int) -> float:
+    """The tokens a device call of `n_iterations` iterations verified per iteration: `first` in its first
+    iteration (the plan's rows, drafts included), and in each later one 1 + the drafts of every row that ran it
+    (`RowResult.more`). A call whose later iterations draft on device costs more per iteration than its first
+    iteration's tokens say; priced by those alone, drafting looked cheaper the more it was done.
+
+    Example: two rows, the first iteration plain (2 tokens); in the second, one row verifies 3 drafts and the
+    other none; in the third only the first row runs, without drafts: (2 + (4 + 1) + 1) / 3 = 8/3."""
+    later = sum(1 + len(it.drafts) for result in results for it in result.more)
+    return (first + later) / n_iterations
 
 
 class Engine:
@@ -243,7 +255,9 @@ class Engine:
         (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
         the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
         rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
-        reported: their cost follows the chunk, not the drafts. Also keeps the call's time per iteration for
+        reported: their cost follows the chunk, not the drafts. The time per iteration is priced by the tokens an
+        iteration verified on average, later iterations' device drafts included (`tokens_per_iteration`). Also
+        keeps the call's time per iteration for
         `max_call_seconds` (`_iterations`). A call that traced is not reported: its time is mostly compilation."""
         if self.runtime.last_step_traced or not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
@@ -254,7 +268,8 @@ class Engine:
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
         rebuild_seconds = self._rebuild_seconds(rows, results)
         self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),
-                                  plan.n_tokens, n_iterations, len(plan.rows))  # fmt: skip
+                                  tokens_per_iteration(plan.n_tokens, results, n_iterations), n_iterations,
+                                  len(plan.rows))  # fmt: skip
         n_chained = sum(n for _, n in chaining)
         for row, n_chain in chaining:
             name = self._device_drafter(row)

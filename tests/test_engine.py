@@ -376,3 +376,16 @@ def test_prompt_chunks_joining_running_sequences_run_in_calls_of_their_own(targe
         assert results[i][0] == references[prompt], f"job {i}"
     if jax.default_backend() == "cpu":
         assert max(calls_per_step) > 1  # some step ran as split calls
+
+
+def test_a_looping_call_is_priced_by_the_tokens_its_later_iterations_verified():
+    """Two rows whose first iteration is plain; in the second one row verifies three drafts (one rejected, fed as
+    -1) and the other none; the third runs the first row alone. The call verified 8 tokens in 3 iterations, not
+    2 per iteration as its first iteration alone says."""
+    from jaxmodel.runtime import Iteration, RowResult
+    from scheduler.engine import tokens_per_iteration
+
+    first = RowResult(0, [5], [], more=[Iteration([6, 7, -1], 2, [6, 7, 9]), Iteration([], 0, [10])])
+    second = RowResult(0, [8], [], more=[Iteration([], 0, [11])])
+    assert tokens_per_iteration(2, [first, second], 3) == pytest.approx(8 / 3)
+    assert tokens_per_iteration(2, [RowResult(0, [5], []), RowResult(0, [8], [])], 1) == 2
