@@ -28,7 +28,7 @@ KERNEL = "jaxmodel/kernels/cpu_matmul.cc"
 
 def build(source: Path, binary: Path) -> None:
     flags = [f for f in cpu_matmul.FLAGS if f not in ("-shared", "-fPIC")]
-    subprocess.run(["g++", *flags, f"-I{jax.ffi.include_dir()}", f"-I{cpu_matmul.SOURCES[0].parent}",
+    subprocess.run([cpu_matmul.cxx(), *flags, f"-I{jax.ffi.include_dir()}", f"-I{cpu_matmul.SOURCES[0].parent}",
                     f'-DKERNEL="{source}"', str(HARNESS), "-o", str(binary)], check=True)
 
 

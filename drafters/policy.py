@@ -442,9 +442,9 @@ class DrafterPolicy:
 
     def record_target(self, seconds: float, n_tokens: float, iterations: int = 1, rows: int = 1) -> None:
         """A device call of `iterations` target steps over `rows` sequences took `seconds` per step, verifying
-        `n_tokens` tokens per step on average (each sequence's 1 + drafts, plus prompt chunks). It goes on its batch class's
-        lines: calls of one iteration on the one-iteration line (`Costs.single`), and on the per-iteration line too
-        where no call loops."""
+        `n_tokens` tokens per step on average (each sequence's 1 + drafts, plus prompt chunks). It goes on its batch
+        class's lines: calls of one iteration on the one-iteration line (`Costs.single`), and on the per-iteration
+        line too where no call loops."""
         decay, cls = self.params.cost_decay, batch_class(rows)
 
         def observed(lines: Mapping[int, LinearCost]) -> dict[int, LinearCost]:

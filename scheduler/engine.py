@@ -257,8 +257,7 @@ class Engine:
         rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
         reported: their cost follows the chunk, not the drafts. The time per iteration is priced by the tokens an
         iteration verified on average, later iterations' device drafts included (`tokens_per_iteration`). Also
-        keeps the call's time per iteration for
-        `max_call_seconds` (`_iterations`). A call that traced is not reported: its time is mostly compilation."""
+        keeps the call's time per iteration for `max_call_seconds` (`_iterations`). A call that traced is not reported: its time is mostly compilation."""
         if self.runtime.last_step_traced or not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
         n_iterations = 1 + max(len(r.more) for r in results)

@@ -84,15 +84,21 @@ def library_path() -> Path:
     return cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
+def cxx() -> str:
+    """The C++ compiler the kernels build with: $CXX, else g++, else c++."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+    return compiler
+
+
 def build(path: Path | None = None) -> Path:
     """Compile the library to `path` (default `library_path()`) unless it is there; returns its path. The build
     writes a temporary file and renames it, so concurrent builds (test workers) never load a partial library."""
     path = path or library_path()
     if path.exists():
         return path
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+    compiler = cxx()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
