@@ -399,8 +399,13 @@ def test_chaotic_loadtest_leaves_the_pools_as_they_were(model, tokenizer):
 
     engine = make_engine(model, tokenizer)
     prompts = [Prompt(text="def f(x):"), Prompt(text="import re\n"), Prompt(text="a = [1, 2, 3]")]
+    # A request of 10 tokens streams in one or two bursts, so a fate after more chunks may never act, and how many
+    # requests each worker draws fates for depends on timing. Acting within a chunk and this seed make every
+    # worker's first request's fate certain: worker 3 drops its connection right after sending, worker 1 cancels
+    # after its first chunk, workers 0 and 2 run to the end (the later requests' fates still vary).
     chaos = Chaos(cancel=0.25, disconnect=0.25, policies=(None, Speculative(drafters=["mtp"]),
-                                                          Speculative(drafters=["ngram", "mtp"])), seed=3)
+                                                          Speculative(drafters=["ngram", "mtp"])),
+                  max_chunks=1, seed=4)  # fmt: skip
 
     async def main():
         async with serving(engine, tokenizer) as (url, _, _):
