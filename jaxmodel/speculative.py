@@ -275,12 +275,12 @@ class LoopInputs:
 
     A looping row feeds its bonus token and up to n_draft drafts per iteration: the MTP head's, or where
     lookup_min > 0 the n-gram lookup's over its history (`jaxmodel.ngram_lookup`), which grows by each iteration's
-    committed tokens. In snapshot mode
-    it reads its live plane and writes the state after each fed token into `planes` minus the live one, in order;
-    after a accepted drafts the a-th of those becomes live. A `replay` row owns two planes: it writes the state
-    after the bonus (after its last draft when `optimistic`) into the other one, records GDN inputs in its replay
-    slot, and that plane, rebuilt after verification where wrong (`ReplayInputs`), becomes live. The host's
-    scheduler replays the same rules.
+    committed tokens (its MTP head, if its request has one, then only catches up). In snapshot mode it reads its
+    live plane and writes the state after each fed token into `planes` minus the live one, in order; after a
+    accepted drafts the a-th of those becomes live. A `replay` row owns two planes: it writes the state after the
+    bonus (after its last draft when `optimistic`) into the other one, records GDN inputs in its replay slot, and
+    that plane, rebuilt after verification where wrong (`ReplayInputs`), becomes live. The host's scheduler replays
+    the same rules.
     """
 
     loops: jax.Array  # [B] bool
@@ -433,7 +433,10 @@ def speculative_step(
                 logit_rows=jnp.broadcast_to(index, (B, width)),
             )  # fmt: skip
             verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
-            chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), loop.n_draft, -1), chain.p_min)
+            # A row drafting by lookup has its MTP head (where its request has one) only catch up: a chain's drafts
+            # would be discarded for the lookup's.
+            n_chain_j = jnp.where(loop.lookup_min > 0, 0, loop.n_draft)
+            chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), n_chain_j, -1), chain.p_min)
             replaying = active & loop.replay & (n_fed > 0)
             replay_j = None if replay is None else ReplayInputs(
                 jnp.where(replaying, write_pool[:, 0], -1), replaying & loop.optimistic)  # fmt: skip

@@ -222,14 +222,16 @@ def test_calibration_times_steps_without_touching_sequences(target):
     assert not np.array_equal(before.ssm[0][2], after.ssm[0][2])  # the timed writes happened
 
 
-@pytest.mark.parametrize("replay", [False, True])
-def test_lookup_iterations_in_one_call_match_plain_greedy(target, replay):
+@pytest.mark.parametrize("replay,head", [(False, -1), (True, -1), (False, 0)])
+def test_lookup_iterations_in_one_call_match_plain_greedy(target, replay, head):
     """A row decodes 5 more iterations in one call drafting by n-gram lookup on device, in snapshot or replay
     rollback, beside a row decoding plainly. Its history holds the model's own greedy continuation after the
     prompt's last tokens, so every lookup proposes 3 right tokens and every iteration accepts them; with a history
     that matches nothing, every later iteration runs at one token. Either way the tokens equal plain greedy
-    decoding's."""
+    decoding's. head 0: the row's request also has the MTP head, which then only catches up (its chain would be
+    discarded for the lookup's drafts), so the call hands back no MTP drafts."""
     runtime = Runtime(target, n_pages=9, n_planes=11, replay_tokens=3, max_iterations=6, lookup_drafts=3,
+                      n_chain_max=3 if head >= 0 else 0,
                       shapes=Shapes(max_rows=2, max_tokens=8, max_logit_rows=4, pages_per_row=2))  # fmt: skip
     assert runtime.lookup_width == 4
     rng = np.random.default_rng(12)
@@ -248,8 +250,10 @@ def test_lookup_iterations_in_one_call_match_plain_greedy(target, replay):
             pool = write_pool[i] if not replay or i else write_pool[i][:1]
             loop = RowLoop(3 if i == 0 else 0, (1 + i,) + pool, budget=16, replay=replay and i == 0,
                            lookup=(2, 8) if i == 0 else None, history=history if i == 0 else ())  # fmt: skip
-            rows.append(StepRow(Row([firsts[i][0]], len(p), pages[i], 1 + i, [pool[0]], [0]), loop=loop))
+            rows.append(StepRow(Row([firsts[i][0]], len(p), pages[i], 1 + i, [pool[0]], [0]), loop=loop,
+                                n_chain=head if i == 0 else -1))
         results = runtime.step(rows, iterations=6)
+        assert results[0].next_drafts == []
         return [r.committed + [t for later in r.more for t in later.committed] for r in results], results[0].more
 
     C = expected[0]
