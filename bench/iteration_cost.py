@@ -1,9 +1,10 @@
-"""What one iteration of a looping device call costs, by kind, on one row: plain decoding (one token), a 4-token
-verify whose n-gram drafts are all accepted (`lookup`, drafts found on device), and an MTP iteration (4-token verify,
-the head's catch-up and its chained drafts). Each is timed as a call of N iterations less a call of one, divided by
-the N - 1 later iterations, so the call's fixed cost (dispatch, first iteration, reading back) drops out. Kinds and
-rounds alternate, so a shared machine's drift falls on all alike; the figures are medians over rounds. Every call's
-tokens are checked against plain greedy decoding. Writes JSON.
+"""What one iteration of a looping device call costs, by kind, on one row: plain decoding (one token), plain decoding
+whose MTP head catches up (`catch-up`: what a request naming `mtp` costs while the policy declines to draft), a
+4-token verify whose n-gram drafts are all accepted (`lookup`, drafts found on device), and an MTP iteration (4-token
+verify, the head's catch-up and its chained drafts). Each is timed as a call of N iterations less a call of one,
+divided by the N - 1 later iterations, so the call's fixed cost (dispatch, first iteration, reading back) drops out.
+Kinds and rounds alternate, so a shared machine's drift falls on all alike; the figures are medians over rounds.
+Every call's tokens are checked against plain greedy decoding. Writes JSON.
 
     gdnspec bench iteration-cost --rounds 7 --out bench/results/iteration-cost-cpu.json
 """
@@ -28,7 +29,7 @@ from . import run_and_save
 from .prompts import load_prompt_set
 from .speculation import model_arguments
 
-KINDS = ("plain", "lookup", "mtp")
+KINDS = ("plain", "catch-up", "lookup", "mtp")
 N_DRAFT = 3
 PAGE_SIZE = 16
 
@@ -56,17 +57,18 @@ def run(args) -> dict:
     kinds = [k for k in args.kinds.split(",") if k]
     if unknown := set(kinds) - set(KINDS):
         raise SystemExit(f"unknown kinds {sorted(unknown)}; choose from {KINDS}")
-    if "mtp" in kinds and not model.has_mtp:
+    if {"mtp", "catch-up"} & set(kinds) and not model.has_mtp:
         raise SystemExit(f"{args.model} has no MTP head")
 
     def call(kind: str, iterations: int) -> tuple[float, list[int], int]:
         mtp = kind == "mtp"
+        head = {"mtp": N_DRAFT, "catch-up": 0}.get(kind, -1)  # the MTP chain asked for (-1: the head left alone)
         prefill = StepRow(Row(prompt, 0, pages, 0, [-1] * (len(prompt) - 1) + [1], [len(prompt) - 1]),
-                          n_chain=N_DRAFT if mtp else -1)  # fmt: skip
+                          n_chain=head)  # fmt: skip
         first = runtime.step([prefill])[0]
         drafts = first.next_drafts if mtp else []
         planes = (1, 2, 3, 4, 5)
-        if kind == "plain":
+        if kind in ("plain", "catch-up"):
             loop = RowLoop(0, planes, budget=10**6)
         elif kind == "mtp":
             loop = RowLoop(N_DRAFT, planes, budget=10**6)
@@ -75,7 +77,7 @@ def run(args) -> dict:
             loop = RowLoop(N_DRAFT, planes, budget=10**6, lookup=(2, 8), history=history)
         row = StepRow(Row([first.committed[0]] + drafts, len(prompt), pages, 1, [2, 3, 4, 5][: 1 + len(drafts)],
                           list(range(1 + len(drafts)))), drafts=drafts, loop=loop,
-                      n_chain=N_DRAFT if mtp else -1)  # fmt: skip
+                      n_chain=head)  # fmt: skip
         start = time.perf_counter()
         result = runtime.step([row], iterations=iterations)[0]
         seconds = time.perf_counter() - start

@@ -215,19 +215,26 @@ def iteration(
     bonus = jnp.take_along_axis(tokens, n_accepted[:, None], axis=1)[:, 0]
 
     # Only the MTP block's KV pages pass through the branch (`_either`), the one part of the state it writes.
-    mtp_kv = ModelState(k_pages=state.k_pages[-1:], v_pages=state.v_pages[-1:], conv=(), ssm=(),
-                        hidden=jnp.zeros((0,), jnp.float32), replay=())
-
     def with_mtp(mtp_kv):
         drafts, n_drafted, mtp_kv = mtp_catch_up_and_chain(weights, cfg, batch, out.hidden, hidden_before, n_kept,
                                                            bonus, has_bonus, chain, mtp_kv, n_max, draft_vocab)
         return (drafts, n_drafted), mtp_kv
 
     no_drafts = (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32))
-    (drafts, n_drafted), mtp_kv = _when(jnp.any(chain.n_chain >= 0), with_mtp, no_drafts, mtp_kv)
-    state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + mtp_kv.k_pages,
-                                v_pages=state.v_pages[:-1] + mtp_kv.v_pages)
-    return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), state
+    (drafts, n_drafted), mtp_kv = _when(jnp.any(chain.n_chain >= 0), with_mtp, no_drafts, _mtp_kv(state))
+    return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), _with_mtp_kv(state, mtp_kv)
+
+
+def _mtp_kv(state: ModelState) -> ModelState:
+    """The MTP block's KV pages alone, as a state (what the MTP branches carry)."""
+    return ModelState(k_pages=state.k_pages[-1:], v_pages=state.v_pages[-1:], conv=(), ssm=(),
+                      hidden=jnp.zeros((0,), jnp.float32), replay=())
+
+
+def _with_mtp_kv(state: ModelState, mtp_kv: ModelState) -> ModelState:
+    """state with the MTP block's KV pages from mtp_kv (`_mtp_kv`)."""
+    return dataclasses.replace(state, k_pages=state.k_pages[:-1] + mtp_kv.k_pages,
+                               v_pages=state.v_pages[:-1] + mtp_kv.v_pages)
 
 
 def rebuild_pass_rows(rows_per_pass: int, B: int) -> int:
@@ -347,6 +354,42 @@ def _either(pred: jax.Array, if_true, if_false, state: ModelState):
     return _when(~pred, if_false, out, state)
 
 
+@pytree
+class Deferred:
+    """The MTP inputs of a looping call's later iterations for rows whose head catches up after the loop: iteration
+    j (row j - 1 here) fed the bonus token at the row's position start + j - 1, whose h_{p-1} the hidden pool held."""
+
+    tokens: jax.Array  # [B, K] int32
+    hidden_in: jax.Array  # [B, K, E]
+
+
+def _defer(deferred: Deferred, index: jax.Array, tokens: jax.Array, hidden_in: jax.Array) -> Deferred:
+    """Record one iteration's fed token [B] and its h_{p-1} [B, E] at `index` (for every row; only deferring
+    rows' entries are read)."""
+    return Deferred(
+        tokens=jax.lax.dynamic_update_slice_in_dim(deferred.tokens, tokens[:, None], index, axis=1),
+        hidden_in=jax.lax.dynamic_update_slice_in_dim(deferred.hidden_in, hidden_in[:, None], index, axis=1),
+    )
+
+
+def _catch_up_deferred(weights: Weights, cfg: ModelConfig, page_table: jax.Array, deferred: Deferred,
+                       start: jax.Array, n_deferred: jax.Array, state: ModelState) -> ModelState:
+    """The MTP KV of each row's first n_deferred [B] deferred tokens, at positions start [B] onwards, in one pass
+    (`model.mtp_write_kv`; none where no row deferred)."""
+    B, K = deferred.tokens.shape
+    batch = StepBatch(
+        tokens=deferred.tokens, positions=start[:, None] + jnp.arange(K)[None, :], n_tokens=n_deferred,
+        page_table=page_table, read_plane=jnp.zeros((B,), jnp.int32), write_planes=jnp.full((B, K), -1, jnp.int32),
+        logit_rows=jnp.zeros((B, 0), jnp.int32),
+    )  # fmt: skip
+
+    def write(mtp_kv):
+        return (), mtp_write_kv(weights, cfg, batch, deferred.hidden_in, mtp_kv)
+
+    _, mtp_kv = _when(jnp.any(n_deferred > 0), write, (), _mtp_kv(state))
+    return _with_mtp_kv(state, mtp_kv)
+
+
 def speculative_step(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
     chain: ChainInputs, loop: LoopInputs | None = None, replay: ReplayInputs | None = None, *,
@@ -356,6 +399,9 @@ def speculative_step(
     """One engine step in one call: `iteration` over the batch, then, for the rows `loop` lets continue, up to
     loop.n_iterations - 1 more iterations (each feeding the bonus token and the drafts of the MTP head or the n-gram
     lookup), stopping a row at an end-of-generation id, its token budget or the end of its pages.
+
+    Rows whose MTP head only catches up (n_chain 0) and that feed no drafts defer their later iterations' catch-up
+    to one pass after the loop (`Deferred`).
 
     lookup_width: 0, or the tokens of a later iteration when some row drafts by lookup (its drafts then come from
     its history, and a row may start drafting after a plain first iteration). Such a call runs each later iteration
@@ -402,8 +448,16 @@ def speculative_step(
         return jnp.where(looking[:, None], found, mtp), jnp.where(looking, n_found, n_drafted)
 
     offered, n_offered = offers(first.drafts, first.n_drafted, history, history_len)
+    # Rows whose MTP head only catches up and whose later iterations feed no drafts commit one token an iteration,
+    # the bonus it feeds: their catch-up waits for the end of the call, one pass over all their later iterations'
+    # tokens instead of one per iteration (no draft of the call reads those positions' MTP KV).
+    deferring = (chain.n_chain == 0) & (loop.n_draft == 0) & (loop.lookup_min == 0)
+    deferred = None
+    if n_max > 0 and weights.mtp is not None:
+        deferred = Deferred(tokens=jnp.zeros((B, K), jnp.int32),
+                            hidden_in=jnp.zeros((B, K, state.hidden.shape[-1]), state.hidden.dtype))
     carry = (1, active, live, start, bonus, first.drafts, first.n_drafted, offered, n_offered, n_committed, history,
-             history_len, record, state)  # fmt: skip
+             history_len, record, deferred, state)  # fmt: skip
 
     def n_fed_of(carry):  # drafts each row feeds in the next iteration
         active, n_offered = carry[1], carry[8]
@@ -419,7 +473,7 @@ def speculative_step(
 
         def body(carry):
             (j, active, live, start, bonus, drafts, n_drafted, offered, _, n_committed, history, history_len, record,
-             state) = carry  # fmt: skip
+             deferred, state) = carry  # fmt: skip
             n_fed = n_fed_of(carry)
             tokens = jnp.concatenate([bonus[:, None], offered[:, : width - 1]], axis=1)
             tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, width]
@@ -434,9 +488,11 @@ def speculative_step(
             )  # fmt: skip
             verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
             # A row drafting by lookup has its MTP head (where its request has one) only catch up: a chain's drafts
-            # would be discarded for the lookup's.
+            # would be discarded for the lookup's. A deferring row's head catches up once, after the loop.
             n_chain_j = jnp.where(loop.lookup_min > 0, 0, loop.n_draft)
-            chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), n_chain_j, -1), chain.p_min)
+            chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0) & ~deferring, n_chain_j, -1), chain.p_min)
+            if deferred is not None:
+                deferred = _defer(deferred, j - 1, bonus, read_planes(state.hidden, live))
             replaying = active & loop.replay & (n_fed > 0)
             replay_j = None if replay is None else ReplayInputs(
                 jnp.where(replaying, write_pool[:, 0], -1), replaying & loop.optimistic)  # fmt: skip
@@ -459,7 +515,7 @@ def speculative_step(
                       & (start + loop.n_draft < loop.capacity))  # fmt: skip
             offered, n_offered = offers(drafts, n_drafted, history, history_len)
             return (j + 1, active, live, start, bonus, drafts, n_drafted, offered, n_offered, n_committed, history,
-                    history_len, record, state)  # fmt: skip
+                    history_len, record, deferred, state)  # fmt: skip
 
         return body
 
@@ -476,7 +532,10 @@ def speculative_step(
         carry = jax.lax.while_loop(more, runs, carry)
     else:
         carry = jax.lax.while_loop(more, iterate(W), carry)
-    drafts, n_drafted, record, state = carry[5], carry[6], carry[12], carry[13]
+    drafts, n_drafted, record, deferred, state = carry[5], carry[6], carry[12], carry[13], carry[14]
+    if deferred is not None:
+        n_deferred = jnp.where(deferring, jnp.sum(record.ran, axis=0, dtype=jnp.int32), 0)  # a prefix of iterations
+        state = _catch_up_deferred(weights, cfg, batch.page_table, deferred, start, n_deferred, state)
     first = SpeculativeOutput(first.n_accepted, first.tokens, drafts, n_drafted)
     return (first, record), state
 
