@@ -1,7 +1,8 @@
 """What one iteration of a looping device call costs, by kind, on one row: plain decoding (one token), plain decoding
 whose MTP head catches up (`catch-up`: what a request naming `mtp` costs while the policy declines to draft), a
-4-token verify whose n-gram drafts are all accepted (`lookup`, drafts found on device), and an MTP iteration (4-token
-verify, the head's catch-up and its chained drafts). Each is timed as a call of N iterations less a call of one,
+4-token verify whose n-gram drafts are all accepted (`lookup`, drafts found on device; `lookup-catch-up` with the MTP
+head catching up, as in a request naming `mtp,ngram`), and an MTP iteration (4-token verify, the head's catch-up and
+its chained drafts). Each is timed as a call of N iterations less a call of one,
 divided by the N - 1 later iterations, so the call's fixed cost (dispatch, first iteration, reading back) drops out.
 Kinds and rounds alternate, so a shared machine's drift falls on all alike; the figures are medians over rounds.
 Every call's tokens are checked against plain greedy decoding. Writes JSON.
@@ -29,7 +30,7 @@ from . import run_and_save
 from .prompts import load_prompt_set
 from .speculation import model_arguments
 
-KINDS = ("plain", "catch-up", "lookup", "mtp")
+KINDS = ("plain", "catch-up", "lookup", "lookup-catch-up", "mtp")
 N_DRAFT = 3
 PAGE_SIZE = 16
 
@@ -57,12 +58,13 @@ def run(args) -> dict:
     kinds = [k for k in args.kinds.split(",") if k]
     if unknown := set(kinds) - set(KINDS):
         raise SystemExit(f"unknown kinds {sorted(unknown)}; choose from {KINDS}")
-    if {"mtp", "catch-up"} & set(kinds) and not model.has_mtp:
+    if {"mtp", "catch-up", "lookup-catch-up"} & set(kinds) and not model.has_mtp:
         raise SystemExit(f"{args.model} has no MTP head")
 
     def call(kind: str, iterations: int) -> tuple[float, list[int], int]:
         mtp = kind == "mtp"
-        head = {"mtp": N_DRAFT, "catch-up": 0}.get(kind, -1)  # the MTP chain asked for (-1: the head left alone)
+        # The MTP chain asked for (-1: the head left alone, 0: it only catches up).
+        head = {"mtp": N_DRAFT, "catch-up": 0, "lookup-catch-up": 0}.get(kind, -1)
         prefill = StepRow(Row(prompt, 0, pages, 0, [-1] * (len(prompt) - 1) + [1], [len(prompt) - 1]),
                           n_chain=head)  # fmt: skip
         first = runtime.step([prefill])[0]

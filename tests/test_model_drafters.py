@@ -85,9 +85,10 @@ def _check_head_caught_up(target, runtime, tokens, pages, result):
     batch = pack_batch([Row(tokens, 0, pages, 0, [-1] * n, range(n))])
     hidden_in = np.zeros(batch.tokens.shape + (target.cfg.n_embd,), np.float32)
     hidden_in[0, 1:n] = hidden[:-1]
-    _, state = target.mtp_step(target.weights, batch=batch, hidden_in=hidden_in, state=target.new_state(3, 1))
+    _, state = target.mtp_step(target.weights, batch=batch, hidden_in=hidden_in,
+                               state=target.new_state(max(pages) + 1, 1))  # fmt: skip
     for ours, expected in [(runtime.state.k_pages[-1], state.k_pages[-1]), (runtime.state.v_pages[-1], state.v_pages[-1])]:
-        ours, expected = (np.asarray(p[1:3]).reshape((-1,) + p.shape[2:])[:n] for p in (ours, expected))
+        ours, expected = (np.asarray(p)[pages].reshape((-1,) + p.shape[2:])[:n] for p in (ours, expected))
         np.testing.assert_allclose(ours, expected, atol=1e-4)
     mtp_logits, _ = target.score_mtp(tokens + [bonus], np.concatenate([np.zeros_like(hidden[:1]), hidden]))
     assert result.next_drafts[0] == int(mtp_logits[-1].argmax())
@@ -96,36 +97,46 @@ def _check_head_caught_up(target, runtime, tokens, pages, result):
 @pytest.mark.parametrize("beside", [None, "chain", "lookup"])
 def test_a_looping_calls_deferred_catch_up_writes_what_a_chain_reads(target, beside):
     """A row whose head only catches up decodes 5 later iterations in one call, its head's KV written once after
-    them (`speculative.Deferred`), beside a row that chains MTP drafts, or one that drafts by lookup, or alone. The
-    next step's chain then drafts exactly what the MTP head drafts over the whole sequence, and the head's KV pages
-    hold what one MTP pass over it writes."""
+    them (`speculative.Deferred`), beside a row that chains MTP drafts, or one that drafts by lookup (whose head
+    only catches up, iteration by iteration), or alone. A chain after the call then drafts exactly what the MTP
+    head drafts over the whole sequence, for the deferring row and the lookup row, and the head's KV pages hold what
+    one MTP pass over it writes."""
     rng = np.random.default_rng(6)
-    prompt = [int(t) for t in rng.integers(0, 509, 12)]
+    prompts = [[int(t) for t in rng.integers(0, 509, n)] for n in (12, 8)]
     runtime = Runtime(target, n_pages=6, n_planes=8, n_chain_max=3, max_iterations=6, lookup_drafts=3,
                       shapes=Shapes(max_rows=2, max_tokens=16, max_logit_rows=4, pages_per_row=2))  # fmt: skip
-    pages, other_pages = [1, 2], [3, 4]
-    result = runtime.step([StepRow(Row(prompt, 0, pages, 0, [-1] * 11 + [1], [11]), n_chain=0)])[0]
-    prompt = prompt + result.committed
-    rows = [StepRow(Row(result.committed, 12, pages, 1, [2], [0]), n_chain=0,
-                    loop=RowLoop(0, (1, 2), budget=6))]  # fmt: skip
-    if beside is not None:
-        other = [int(t) for t in rng.integers(0, 509, 8)]
-        first = runtime.step([StepRow(Row(other, 0, other_pages, 0, [-1] * 7 + [3], [7]), n_chain=0)])[0]
-        continuation = plain_greedy(target, other, 13) if beside == "lookup" else []  # the lookup's drafts are right
-        loop = RowLoop(3, (3, 4, 5, 6, 7), budget=12, lookup=(2, 8) if beside == "lookup" else None,
-                       history=other[-6:] + continuation + [7] + other + first.committed if beside == "lookup" else ())
-        rows.append(StepRow(Row(first.committed, 8, other_pages, 3, [4], [0]), n_chain=3, loop=loop))
+    pages, planes = ([1, 2], [3, 4]), ((1, 2), (3, 4, 5, 6, 7))
+    n_rows = 1 if beside is None else 2
+    rows = []
+    for i in range(n_rows):
+        n = len(prompts[i])
+        first = runtime.step([StepRow(Row(prompts[i], 0, pages[i], 0, [-1] * (n - 1) + [planes[i][0]], [n - 1]),
+                                      n_chain=0)])[0]  # fmt: skip
+        prompts[i] = prompts[i] + first.committed
+        if i == 0:
+            loop, n_chain = RowLoop(0, planes[0], budget=6), 0
+        else:
+            continuation = plain_greedy(target, prompts[1][:-1], 13)  # the lookup's drafts are right
+            lookup = dict(lookup=(2, 8), history=prompts[1][-7:-1] + continuation + [7] + prompts[1])
+            loop = RowLoop(3, planes[1], budget=12, **(lookup if beside == "lookup" else {}))
+            n_chain = 3
+        rows.append(StepRow(Row(first.committed, n, pages[i], planes[i][0], [planes[i][1]], [0]), n_chain=n_chain,
+                            loop=loop))  # fmt: skip
     results = runtime.step(rows, iterations=6)
-    tokens = prompt + results[0].committed + [t for later in results[0].more for t in later.committed]
-    assert len(tokens) == 13 + 6 and results[0].next_drafts == []
+    assert len(results[0].more) == 5 and results[0].next_drafts == []
     if beside == "chain":  # its head chained in every iteration (a call of one-token rows feeds no drafts)
         assert len(results[1].next_drafts) == 3 and len(results[1].more) == 5
-    if beside == "lookup":
-        assert [later.n_accepted for later in results[1].more] == [3, 3, 3]  # until 12 tokens (its budget) are in
-    read = 1 if len(results[0].more) % 2 else 2  # the planes alternate from 1 -> 2
-    result = runtime.step([StepRow(Row(tokens[-1:], len(tokens) - 1, pages, read, [2 if read == 1 else 1], [0]),
-                                   n_chain=3)])[0]  # fmt: skip
-    _check_head_caught_up(target, runtime, tokens, pages, result)
+    if beside == "lookup":  # until 12 tokens (its budget) are in
+        assert [later.n_accepted for later in results[1].more] == [3, 3, 3] and results[1].next_drafts == []
+    for i in range(n_rows if beside == "lookup" else 1):
+        tokens = prompts[i] + results[i].committed + [t for later in results[i].more for t in later.committed]
+        live = planes[i][1]  # the planes rule of `speculative.LoopInputs`: after a accepted drafts, the a-th of the
+        for later in results[i].more:  # row's planes other than the live one becomes live
+            live = [plane for plane in planes[i] if plane != live][later.n_accepted]
+        others = [plane for plane in planes[i] if plane != live]
+        result = runtime.step([StepRow(Row(tokens[-1:], len(tokens) - 1, pages[i], live, others[:1], [0]),
+                                       n_chain=3)])[0]  # fmt: skip
+        _check_head_caught_up(target, runtime, tokens, pages[i], result)
 
 
 def test_mtp_chain_stops_below_p_min(target):
