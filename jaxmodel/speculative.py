@@ -357,7 +357,7 @@ def _either(pred: jax.Array, if_true, if_false, state: ModelState):
 @pytree
 class Deferred:
     """The MTP inputs of a looping call's later iterations for rows whose head catches up after the loop: iteration
-    j (row j - 1 here) fed the bonus token at the row's position start + j - 1, whose h_{p-1} the hidden pool held."""
+    j (entry j - 1 here) fed the bonus token at the row's position start + j - 1, whose h_{p-1} the hidden pool held."""
 
     tokens: jax.Array  # [B, K] int32
     hidden_in: jax.Array  # [B, K, E]
