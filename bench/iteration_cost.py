@@ -2,10 +2,10 @@
 whose MTP head catches up (`catch-up`: what a request naming `mtp` costs while the policy declines to draft), a
 4-token verify whose n-gram drafts are all accepted (`lookup`, drafts found on device; `lookup-catch-up` with the MTP
 head catching up, as in a request naming `mtp,ngram`), and an MTP iteration (4-token verify, the head's catch-up and
-its chained drafts). Each is timed as a call of N iterations less a call of one,
-divided by the N - 1 later iterations, so the call's fixed cost (dispatch, first iteration, reading back) drops out.
-Kinds and rounds alternate, so a shared machine's drift falls on all alike; the figures are medians over rounds.
-Every call's tokens are checked against plain greedy decoding. Writes JSON.
+its chained drafts). Each is timed as a call of N iterations less a call of one, divided by the N - 1 later
+iterations, so the call's fixed cost (dispatch, first iteration, reading back) drops out. Kinds and rounds alternate,
+so a shared machine's drift falls on all alike; the figures are medians over rounds. Every call's tokens are checked
+against plain greedy decoding. Writes JSON.
 
     gdnspec bench iteration-cost --rounds 7 --out bench/results/iteration-cost-cpu.json
 """
