@@ -8,11 +8,11 @@ device.
 MTP inputs. The MTP block at position p reads (token x_p, the target's post-norm hidden h_{p-1}) and predicts
 x_{p+1}. A row feeding tokens at positions s.. whose first n_kept tokens are committed after verification (its fed
 tokens plus the accepted drafts) then commits one more token, the bonus, at m = s + n_kept. The MTP block catches
-up on positions s..m in the same call: x_s with h_{s-1}, which the hidden pool holds at the row's read plane (the
-null plane's zeros at s = 0), x_p with this step's h_{p-1} up to the bonus. Its logits at m are the first draft for
-the next step; the chain continues on the MTP's own hidden state. Chained positions get the MTP's own hidden rather
-than the target's; the next catch-up rewrites them once they are committed, so the MTP's KV never keeps a wrong
-entry for a committed position.
+up on positions s..m-1 in the same call, writing their KV: x_s with h_{s-1}, which the hidden pool holds at the
+row's read plane (the null plane's zeros at s = 0), x_p with this step's h_{p-1}. A row that drafts then feeds the
+bonus with h_{m-1}, whose logits give the first draft for the next step; the chain continues on the MTP's own
+hidden state. Chained positions get the MTP's own hidden rather than the target's; the next catch-up rewrites them
+once they are committed, so the MTP's KV never keeps a wrong entry for a committed position.
 """
 
 from __future__ import annotations
@@ -99,79 +99,63 @@ def mtp_catch_up_and_chain(
     n_kept: jax.Array, bonus: jax.Array, has_bonus: jax.Array, chain: ChainInputs, state: ModelState, n_max: int,
     vocab: int | None = None,
 ) -> tuple[jax.Array, jax.Array, ModelState]:
-    """The MTP catch-up over each row's committed tokens (and the bonus, where the row chains: one MTP pass over
-    T + 1 tokens), then a greedy chain of up to chain.n_chain drafts.
+    """The MTP catch-up over each row's committed tokens, then, where the row chains, a greedy chain of up to
+    chain.n_chain drafts from its bonus token.
 
     batch: the target step's batch [B, T]; hidden [B, T, E] its post-norm hidden; hidden_before [B, E] = h_{s-1};
     n_kept [B]: leading fed tokens committed; bonus [B]: the token committed after them (valid where has_bonus).
     Returns drafts [B, n_max], n_drafted [B] and the state with the MTP block's KV written.
 
-    Where no row chains (the policy is not drafting with the head now), the catch-up only writes the KV of the
-    kept tokens (`model.mtp_write_kv`: no attention, FFN or head, and T tokens rather than T + 1), which is all a
-    later chain reads of them; the next step feeds the bonus first and writes its KV then.
+    Nothing a chain computes reads a committed position's MTP output, only its KV, so the catch-up writes the KV of
+    the kept tokens alone (`model.mtp_write_kv`: no attention, FFN or head). The bonus is the chain's first link:
+    one MTP step at the bonus (its KV, and its logits for draft 1), then one per draft, all of one shape. A row
+    that does not chain leaves its bonus for the next step, which feeds it first and writes its KV then.
     """
     B, T = batch.tokens.shape
     on = chain.n_chain >= 0
     chaining = on & has_bonus & (chain.n_chain >= 1)
-    start = batch.positions[:, :1]
+    start = batch.positions[:, 0]
     hidden_in = jnp.concatenate([hidden_before[:, None], hidden], axis=1)  # [B, T+1, E]: h_{p-1} for each fed p
-
-    def catch_up_and_chain(state):
-        # The catch-up feeds each row's kept tokens and, where it chains, the bonus after them (at index n_kept,
-        # over a rejected draft if any): the bonus's input hidden h_{m-1} is hidden[n_kept - 1], the same shift as
-        # the others'.
-        index = jnp.arange(T + 1)[None, :]
-        tokens = jnp.concatenate([batch.tokens, jnp.zeros((B, 1), batch.tokens.dtype)], axis=1)
-        tokens = jnp.where((index == n_kept[:, None]) & chaining[:, None], bonus[:, None], tokens)  # [B, T+1]
-        catch_up = StepBatch(
-            tokens=tokens, positions=start + index, n_tokens=jnp.where(on, n_kept + chaining.astype(jnp.int32), 0),
-            page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
-            write_planes=jnp.full((B, T + 1), -1, jnp.int32),
-            logit_rows=jnp.zeros((B, 0), jnp.int32),  # no logits here: the chain computes the ones it needs
-        )  # fmt: skip
-        out, state = mtp_forward(weights, cfg, catch_up, hidden_in, state, vocab)
-        bonus_position = start[:, 0] + n_kept
-        own_hidden = jnp.take_along_axis(out.hidden, n_kept[:, None, None], axis=1)[:, 0]  # [B, E] at the bonus
-        drafts, n_drafted, state = _chain(weights, cfg, batch.page_table, own_hidden, bonus_position, chaining,
-                                          chain, state, n_max, vocab)  # fmt: skip
-        return (drafts, n_drafted), state
-
-    def catch_up_only(state):
-        kept = StepBatch(
-            tokens=batch.tokens, positions=start + jnp.arange(T)[None, :], n_tokens=jnp.where(on, n_kept, 0),
-            page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
-            write_planes=jnp.full((B, T), -1, jnp.int32), logit_rows=jnp.zeros((B, 0), jnp.int32),
-        )  # fmt: skip
-        state = mtp_write_kv(weights, cfg, kept, hidden_in[:, :T], state)
-        return (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32)), state
-
-    (drafts, n_drafted), state = _either(jnp.any(chaining), catch_up_and_chain, catch_up_only, state)
-    return drafts, n_drafted, state
+    kept = StepBatch(
+        tokens=batch.tokens, positions=start[:, None] + jnp.arange(T)[None, :], n_tokens=jnp.where(on, n_kept, 0),
+        page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
+        write_planes=jnp.full((B, T), -1, jnp.int32), logit_rows=jnp.zeros((B, 0), jnp.int32),
+    )  # fmt: skip
+    state = mtp_write_kv(weights, cfg, kept, hidden_in[:, :T], state)
+    # The bonus at m = s + n_kept (over a rejected draft, if any) takes h_{m-1}, the target's hidden at index n_kept.
+    bonus_hidden_in = jnp.take_along_axis(hidden_in, n_kept[:, None, None], axis=1)[:, 0]  # [B, E]
+    return _chain(weights, cfg, batch.page_table, bonus, bonus_hidden_in, start + n_kept, chaining, chain, state,
+                  n_max, vocab)  # fmt: skip
 
 
-def _chain(weights, cfg, page_table, own_hidden, bonus_position, chaining, chain: ChainInputs, state, n_max, vocab):
-    """The greedy chain from the MTP's hidden at each bonus token [B, E]: draft 1 from it, then one MTP step per
-    draft. Returns drafts [B, n_max], n_drafted [B] and the state."""
-    B = own_hidden.shape[0]
-    head = first_columns(weights.mtp.head, vocab)
-    first, prob = greedy_pick(linear(own_hidden, head, live=chaining))
-    going = chaining & (prob >= chain.p_min)
-    drafts = jnp.zeros((B, n_max), jnp.int32).at[:, 0].set(first)
+def _chain(weights, cfg, page_table, bonus, bonus_hidden_in, bonus_position, chaining, chain: ChainInputs, state,
+           n_max, vocab):
+    """The greedy chain from each row's bonus token [B] at bonus_position [B], whose MTP input is the target's
+    hidden bonus_hidden_in [B, E]: link k feeds the bonus (k = 0) or draft k, at bonus_position + k, and drafts
+    token k + 1 from its logits; later links take the MTP's own hidden. Rows stop at chain.n_chain drafts or at a
+    draft below chain.p_min. Returns drafts [B, n_max], n_drafted [B] and the state."""
+    B = bonus.shape[0]
 
-    def link(k, carry):
-        drafts, going, n_drafted, own_hidden, state = carry
-        feeding = going & (k < chain.n_chain)
-        step = _single_token_batch(drafts[:, k - 1], bonus_position + k, feeding, page_table)
-        out, state = mtp_forward(weights, cfg, step, own_hidden[:, None], state, vocab)
+    def feeding(carry):  # [B]: rows whose link k runs
+        k, going = carry[0], carry[1]
+        return going & (k < chain.n_chain)
+
+    def more(carry):
+        return (carry[0] < n_max) & jnp.any(feeding(carry))
+
+    def link(carry):
+        k, going, drafts, n_drafted, token, hidden_in, state = carry
+        fed = feeding(carry)
+        step = _single_token_batch(token, bonus_position + k, fed, page_table)
+        out, state = mtp_forward(weights, cfg, step, hidden_in[:, None], state, vocab)
         token, prob = greedy_pick(out.logits[:, 0])
-        going = feeding & (prob >= chain.p_min)
-        drafts = drafts.at[:, k].set(jnp.where(going, token, 0))
-        return drafts, going, n_drafted + going, out.hidden[:, 0], state
+        going = fed & (prob >= chain.p_min)
+        drafts = jax.lax.dynamic_update_slice_in_dim(drafts, jnp.where(going, token, 0)[:, None], k, axis=1)
+        return k + 1, going, drafts, n_drafted + going, token, out.hidden[:, 0], state
 
-    n_links = jnp.clip(jnp.max(jnp.where(going, chain.n_chain, 0)), 0, n_max)
-    drafts, _, n_drafted, _, state = jax.lax.fori_loop(
-        1, n_links, link, (drafts, going, going.astype(jnp.int32), own_hidden, state)
-    )
+    carry = (jnp.int32(0), chaining, jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32), bonus,
+             bonus_hidden_in, state)  # fmt: skip
+    _, _, drafts, n_drafted, _, _, state = jax.lax.while_loop(more, link, carry)
     return drafts, n_drafted, state
 
 
@@ -214,7 +198,7 @@ def iteration(
     has_bonus = verify_in.commits
     bonus = jnp.take_along_axis(tokens, n_accepted[:, None], axis=1)[:, 0]
 
-    # Only the MTP block's KV pages pass through the branch (`_either`), the one part of the state it writes.
+    # Only the MTP block's KV pages pass through the branch (`_when`), the one part of the state it writes.
     def with_mtp(mtp_kv):
         drafts, n_drafted, mtp_kv = mtp_catch_up_and_chain(weights, cfg, batch, out.hidden, hidden_before, n_kept,
                                                            bonus, has_bonus, chain, mtp_kv, n_max, draft_vocab)
@@ -335,23 +319,14 @@ def _stops(tokens: jax.Array, n_committed: jax.Array, stop_ids: jax.Array) -> ja
 
 
 def _when(pred: jax.Array, fn, otherwise, state: ModelState):
-    """`fn(state)` where pred holds, else (otherwise, state): `_either` with a branch that changes nothing, as one
-    loop of at most one trip (a plain decoding step pays for one loop, not two)."""
+    """`lax.cond(pred, fn, lambda s: (otherwise, s), state)` for fn returning (small outputs, state), as one loop of
+    at most one trip: XLA's CPU runtime copies the buffers a conditional carries (the whole pools, tens of
+    milliseconds a step at a server's sizes), while a loop updates its carry in place."""
     def body(carry):
         _, _, state = carry
         return (jnp.bool_(True),) + fn(state)
 
     return jax.lax.while_loop(lambda carry: pred & ~carry[0], body, (jnp.bool_(False), otherwise, state))[1:]
-
-
-def _either(pred: jax.Array, if_true, if_false, state: ModelState):
-    """`lax.cond(pred, if_true, if_false, state)` for functions returning (small outputs, state), as two loops of
-    at most one trip each (`_when`): XLA's CPU runtime copies the buffers a conditional carries (the whole pools,
-    tens of milliseconds a step at a server's sizes), while a loop updates its carry in place."""
-    shapes = jax.eval_shape(if_true, state)[0]
-    out = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    out, state = _when(pred, if_true, out, state)
-    return _when(~pred, if_false, out, state)
 
 
 @pytree
