@@ -24,12 +24,11 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .kernels.cpu_argmax import greedy_tokens
-from .layers import linear
 from .model import Record, forward, mtp_forward, mtp_write_kv, rebuild
 from .ngram_lookup import append_tokens, ngram_lookup
 from .sampling import SamplingParams, verify
 from .state import ModelState, StepBatch, read_planes
-from .weights import Weights, first_columns, pytree
+from .weights import Weights, pytree
 
 
 @pytree
@@ -94,6 +93,17 @@ def _single_token_batch(tokens, positions, live, page_table) -> StepBatch:
     )  # fmt: skip
 
 
+def _kv_only_batch(tokens, start, n_tokens, page_table) -> StepBatch:
+    """tokens [B, T] at positions start [B] onwards, the first n_tokens [B] of each row live, without logits: what
+    a KV-only catch-up of the MTP head feeds (`model.mtp_write_kv`)."""
+    B, T = tokens.shape
+    return StepBatch(
+        tokens=tokens, positions=start[:, None] + jnp.arange(T)[None, :], n_tokens=n_tokens, page_table=page_table,
+        read_plane=jnp.zeros((B,), jnp.int32), write_planes=jnp.full((B, T), -1, jnp.int32),
+        logit_rows=jnp.zeros((B, 0), jnp.int32),
+    )  # fmt: skip
+
+
 def mtp_catch_up_and_chain(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden: jax.Array, hidden_before: jax.Array,
     n_kept: jax.Array, bonus: jax.Array, has_bonus: jax.Array, chain: ChainInputs, state: ModelState, n_max: int,
@@ -111,16 +121,12 @@ def mtp_catch_up_and_chain(
     one MTP step at the bonus (its KV, and its logits for draft 1), then one per draft, all of one shape. A row
     that does not chain leaves its bonus for the next step, which feeds it first and writes its KV then.
     """
-    B, T = batch.tokens.shape
+    T = batch.tokens.shape[1]
     on = chain.n_chain >= 0
     chaining = on & has_bonus & (chain.n_chain >= 1)
     start = batch.positions[:, 0]
     hidden_in = jnp.concatenate([hidden_before[:, None], hidden], axis=1)  # [B, T+1, E]: h_{p-1} for each fed p
-    kept = StepBatch(
-        tokens=batch.tokens, positions=start[:, None] + jnp.arange(T)[None, :], n_tokens=jnp.where(on, n_kept, 0),
-        page_table=batch.page_table, read_plane=jnp.zeros((B,), jnp.int32),
-        write_planes=jnp.full((B, T), -1, jnp.int32), logit_rows=jnp.zeros((B, 0), jnp.int32),
-    )  # fmt: skip
+    kept = _kv_only_batch(batch.tokens, start, jnp.where(on, n_kept, 0), batch.page_table)
     state = mtp_write_kv(weights, cfg, kept, hidden_in[:, :T], state)
     # The bonus at m = s + n_kept (over a rejected draft, if any) takes h_{m-1}, the target's hidden at index n_kept.
     bonus_hidden_in = jnp.take_along_axis(hidden_in, n_kept[:, None, None], axis=1)[:, 0]  # [B, E]
@@ -351,12 +357,7 @@ def _catch_up_deferred(weights: Weights, cfg: ModelConfig, page_table: jax.Array
                        start: jax.Array, n_deferred: jax.Array, state: ModelState) -> ModelState:
     """The MTP KV of each row's first n_deferred [B] deferred tokens, at positions start [B] onwards, in one pass
     (`model.mtp_write_kv`; none where no row deferred)."""
-    B, K = deferred.tokens.shape
-    batch = StepBatch(
-        tokens=deferred.tokens, positions=start[:, None] + jnp.arange(K)[None, :], n_tokens=n_deferred,
-        page_table=page_table, read_plane=jnp.zeros((B,), jnp.int32), write_planes=jnp.full((B, K), -1, jnp.int32),
-        logit_rows=jnp.zeros((B, 0), jnp.int32),
-    )  # fmt: skip
+    batch = _kv_only_batch(deferred.tokens, start, n_deferred, page_table)
 
     def write(mtp_kv):
         return (), mtp_write_kv(weights, cfg, batch, deferred.hidden_in, mtp_kv)
