@@ -25,7 +25,7 @@ def _all_tokens(problem):
 
 @needs_kernel
 @pytest.mark.parametrize("n_tokens,dk,dv", [(1, 16, 16), (2, 16, 16), (5, 32, 32), (16, 16, 16), (40, 16, 16),
-                                            (3, 128, 128), (4, 16, 12)])
+                                            (3, 128, 128), (6, 64, 64), (4, 16, 12)])
 def test_kernel_matches_reference(n_tokens, dk, dv):
     problem = random_problem(70 + n_tokens, n_tokens=n_tokens, dk=dk, dv=dv)
     outputs, pool = run(*problem.args, _all_tokens(problem))

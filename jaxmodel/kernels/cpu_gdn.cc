@@ -3,9 +3,10 @@
 //                          is aliased to the result) from q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv],
 //                          read_plane [B], write_planes [B, T] (-1: none) and n_tokens [B].
 //
-// One task per (row b, value head h) copies the head's state from the row's read plane into a buffer (64 KB at
-// Dk = Dv = 128, held in cache), runs the row's n_tokens tokens through it, and copies the state after token t into
-// write_planes[b, t] where that is a plane. Per token, two passes over the state:
+// One task per (row b, value head h) runs the row's n_tokens tokens through the head's state, from the row's read
+// plane: each token's state goes into its write plane write_planes[b, t] where that is a plane, else into a buffer
+// held in cache (64 KB at Dk = Dv = 128), and the next token reads it from there. Per token, two passes over the
+// state:
 //   S *= exp(g);  recalled = S^T k;  delta = beta (v - recalled);  S += k delta^T;  o = S^T q / sqrt(Dk)
 // where XLA's loop read and wrote the whole state several times per token, and gathered and scattered it around the
 // loop. Every element is computed in one fixed order whatever T, B or the thread, so a token's state and output are
@@ -77,17 +78,57 @@ void advance(float* S, const float* q, const float* k, const float* v, float g, 
   for (int64_t j = 0; j < Dv; ++j) o[j] *= scale;
 }
 
-// initial: the head's state before the row's first token (its read plane, or a copy of it).
+// `advance` for Dv = 8 NV, the same arithmetic in the same order, with delta and o held in registers (through
+// memory each FMA of their chains waited on the store before it: the compiler cannot keep them in registers where
+// they might alias the state), from the state at `from` into S (the same or another place: each element is read
+// before it is written).
+template <int NV>
+void advance_fixed(const float* from, float* S, const float* q, const float* k, const float* v, float g, float beta,
+                   float* o, int64_t Dk) {
+  constexpr int64_t Dv = 8 * NV;
+  const float decay = std::exp(g), scale = 1.f / std::sqrt(float(Dk));
+  const v8 d = splat(decay);
+  v8 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = splat(0.f);
+  for (int64_t i = 0; i < Dk; ++i) {  // S *= decay; recalled += S[i] k[i]
+    const float* previous = from + i * Dv;
+    float* row = S + i * Dv;
+    const v8 ki = splat(k[i]);
+    for (int j = 0; j < NV; ++j) {
+      const v8 s = *(const v8*)(previous + 8 * j) * d;
+      *(v8*)(row + 8 * j) = s;
+      acc[j] = multiply_add(acc[j], s, ki);
+    }
+  }
+  v8 delta[NV];
+  for (int j = 0; j < NV; ++j) delta[j] = splat(beta) * (*(const v8*)(v + 8 * j) - acc[j]);
+  for (int j = 0; j < NV; ++j) acc[j] = splat(0.f);
+  for (int64_t i = 0; i < Dk; ++i) {  // S += k[i] delta; o += S[i] q[i]
+    float* row = S + i * Dv;
+    const v8 ki = splat(k[i]), qi = splat(q[i]);
+    for (int j = 0; j < NV; ++j) {
+      const v8 s = multiply_add(*(v8*)(row + 8 * j), ki, delta[j]);
+      *(v8*)(row + 8 * j) = s;
+      acc[j] = multiply_add(acc[j], s, qi);
+    }
+  }
+  for (int j = 0; j < NV; ++j) *(v8*)(o + 8 * j) = acc[j] * splat(scale);
+}
+
+// initial: the head's state before the row's first token (its read plane, or a copy of it). Each token's state goes
+// straight into its write plane where it has one (else into a buffer) and the next token reads it there, so a
+// decoding step reads the read plane and writes the write plane with no copy between (copies in and out took half
+// the time of a head of the bundled model's, Dk = Dv = 32).
 void row_head(const Shape& s, int64_t b, int64_t h, const float* q, const float* k, const float* v, const float* g,
               const float* beta, const float* initial, const int32_t* write_planes, const int32_t* n_tokens,
               float* pool, float* out) {
   const int64_t state_size = s.Dk * s.Dv, kh = h % s.Hk;
   const int64_t n = std::min<int64_t>(std::max<int32_t>(n_tokens[b], 0), s.T);
   auto plane = [&](int64_t p) { return pool + (p * s.Hv + h) * state_size; };
-  thread_local std::vector<float> state, delta;  // [Dk, Dv], [Dv]
-  if (state.size() < size_t(state_size)) state.resize(state_size);
+  thread_local std::vector<float> buffer, delta;  // [Dk, Dv], [Dv]
+  if (buffer.size() < size_t(state_size)) buffer.resize(state_size);
   if (delta.size() < size_t(s.Dv)) delta.resize(s.Dv);
-  std::memcpy(state.data(), initial, state_size * sizeof(float));
+  const float* state = initial;
   for (int64_t t = 0; t < s.T; ++t) {
     const int64_t bt = b * s.T + t;
     float* o = out + (bt * s.Hv + h) * s.Dv;
@@ -95,10 +136,19 @@ void row_head(const Shape& s, int64_t b, int64_t h, const float* q, const float*
       std::fill(o, o + s.Dv, 0.f);
       continue;
     }
-    advance(state.data(), q + (bt * s.Hk + kh) * s.Dk, k + (bt * s.Hk + kh) * s.Dk, v + (bt * s.Hv + h) * s.Dv,
-            g[bt * s.Hv + h], beta[bt * s.Hv + h], o, delta.data(), s.Dk, s.Dv);
     const int32_t target = write_planes[bt];
-    if (target >= 0 && target < s.N) std::memcpy(plane(target), state.data(), state_size * sizeof(float));
+    float* next = target >= 0 && target < s.N ? plane(target) : buffer.data();
+    const float *qt = q + (bt * s.Hk + kh) * s.Dk, *kt = k + (bt * s.Hk + kh) * s.Dk, *vt = v + (bt * s.Hv + h) * s.Dv;
+    const float gt = g[bt * s.Hv + h], beta_t = beta[bt * s.Hv + h];
+    switch (s.Dv) {
+      case 32: advance_fixed<4>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
+      case 64: advance_fixed<8>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
+      case 128: advance_fixed<16>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
+      default:
+        if (next != state) std::memmove(next, state, state_size * sizeof(float));
+        advance(next, qt, kt, vt, gt, beta_t, o, delta.data(), s.Dk, s.Dv);
+    }
+    state = next;
   }
 }
 
