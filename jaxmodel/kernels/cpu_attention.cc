@@ -3,8 +3,9 @@
 //                            qpos[B, T] (a token's position, -1 for padding: its output is 0).
 //
 // One task per (row b, KV head h) walks the row's own pages up to its last live position, so a row costs its own
-// context whatever the width of the page table, and a padding row costs nothing. Each key is loaded once for the
-// T x G queries of the task (G = H / Hkv query heads share a KV head) and dotted with those that may see it.
+// context whatever the width of the page table, and a padding row costs nothing. The T x G queries of the task
+// (G = H / Hkv query heads share a KV head) each walk the keys they may see, eight at a time, which stay in cache
+// from one query to the next.
 //
 // Every query is computed alone, in one fixed order: its score with key j is D products in eight strided lanes
 // (one per vector lane), added lane by lane, then the tail; the softmax takes the scores' maximum, then
@@ -52,11 +53,59 @@ inline void add_scaled(float* acc, float p, const float* v, int64_t D) {
   for (int64_t d = D8; d < D; ++d) acc[d] = std::fma(p, v[d], acc[d]);
 }
 
+// The scores of eight keys with one query, each exactly as `dot` computes it, then scaled: eight independent chains
+// of FMAs (one key at a time waited on each FMA's latency), and the eight lane sums at once, lane by lane in the same
+// order, after a transpose (one key's took seven dependent scalar additions).
+inline void dot8(const float* a, const float* const* keys, int64_t D, float scale, float* out) {
+  const int64_t D8 = D & ~int64_t(7);
+  v8 acc[8] = {};
+  for (int64_t d = 0; d < D8; d += 8) {
+    const v8 x = *(const v8*)(a + d);
+    for (int k = 0; k < 8; ++k) acc[k] = multiply_add(acc[k], x, *(const v8*)(keys[k] + d));
+  }
+  float sums[8];
+#ifdef __AVX__
+  __m256 r[8], t[8], u[8];
+  for (int k = 0; k < 8; ++k) r[k] = (__m256)acc[k];
+  for (int k = 0; k < 8; k += 2) t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]), t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  for (int k = 0; k < 8; k += 4) {
+    u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
+    u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+    u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+    u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+  }
+  v8 total = splat(0.f);  // lane k: 0 + lane 0 of acc[k] + lane 1 + ... + lane 7, as lane_sum adds them
+  for (int m = 0; m < 4; ++m) total = total + (v8)_mm256_permute2f128_ps(u[m], u[m + 4], 0x20);
+  for (int m = 0; m < 4; ++m) total = total + (v8)_mm256_permute2f128_ps(u[m], u[m + 4], 0x31);
+  for (int k = 0; k < 8; ++k) sums[k] = total[k];
+#else
+  for (int k = 0; k < 8; ++k) sums[k] = lane_sum(acc[k]);
+#endif
+  for (int k = 0; k < 8; ++k) {
+    float s = sums[k];
+    for (int64_t d = D8; d < D; ++d) s += a[d] * keys[k][d];
+    out[k] = s * scale;
+  }
+}
+
+// acc[0, 8U) = sum over j < n, in order, of p[j] * values[j][d0, d0 + 8U): add_scaled's arithmetic with the sums in
+// registers (through memory each FMA waited on the store before it).
+template <int U>
+void weighted_sum(const float* p, const float* const* values, int64_t n, int64_t d0, float* out) {
+  v8 acc[U] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const v8 pv = splat(p[j]);
+    for (int u = 0; u < U; ++u) acc[u] = multiply_add(acc[u], pv, *(const v8*)(values[j] + d0 + 8 * u));
+  }
+  for (int u = 0; u < U; ++u) *(v8*)(out + 8 * u) = acc[u];
+}
+
 struct Shape {
   int64_t B, T, H, D, N, S, Hkv, P;
 };
 
-// The T x G queries of row b that read KV head h.
+// The T x G queries of row b that read KV head h, one after another: scores over the keys it may see, the softmax,
+// the weighted values (each query's sums over keys in key order, so the loop order changes no result).
 void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const float* k_pages,
                      const float* v_pages, const int32_t* table, const int32_t* qpos, float* out) {
   const int64_t G = s.H / s.Hkv, M = s.T * G, D = s.D;
@@ -70,36 +119,35 @@ void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const
 
   int64_t n_keys = 0;
   for (int64_t t = 0; t < s.T; ++t) n_keys = std::max<int64_t>(n_keys, qpos[b * s.T + t] + 1);
-  thread_local std::vector<float> scores, acc;  // [M, n_keys], [M, D]
-  if (scores.size() < size_t(M * n_keys)) scores.resize(M * n_keys);
-  if (acc.size() < size_t(M * D)) acc.resize(M * D);
-  std::fill(acc.begin(), acc.begin() + M * D, 0.f);
+  thread_local std::vector<float> scores, acc;        // [n_keys], [D]
+  thread_local std::vector<const float*> keys, values;  // [n_keys]: where key j's and value j's rows lie
+  if (scores.size() < size_t(n_keys)) scores.resize(n_keys);
+  if (acc.size() < size_t(D)) acc.resize(D);
+  if (keys.size() < size_t(n_keys)) keys.resize(n_keys), values.resize(n_keys);
+  for (int64_t j = 0; j < n_keys; ++j) keys[j] = key_row(k_pages, j), values[j] = key_row(v_pages, j);
 
-  for (int64_t j = 0; j < n_keys; ++j) {
-    const float* key = key_row(k_pages, j);
-    for (int64_t i = 0; i < M; ++i)
-      if (j <= position(i)) scores[i * n_keys + j] = dot(query(i), key, D) * scale;
-  }
-  thread_local std::vector<float> totals;  // [M]
-  if (totals.size() < size_t(M)) totals.resize(M);
   for (int64_t i = 0; i < M; ++i) {
-    const int64_t seen = position(i) + 1;  // 0 for padding
-    float* row = scores.data() + i * n_keys;
+    const int64_t seen = std::max<int64_t>(position(i) + 1, 0);  // 0 for padding
+    const float* qi = query(i);
+    float* row = scores.data();
+    int64_t j = 0;
+    for (; j + 8 <= seen; j += 8) dot8(qi, keys.data() + j, D, scale, row + j);
+    for (; j < seen; ++j) row[j] = dot(qi, keys[j], D) * scale;
     float top = -INFINITY;
-    for (int64_t j = 0; j < seen; ++j) top = std::max(top, row[j]);
+    for (j = 0; j < seen; ++j) top = std::max(top, row[j]);
     float total = 0.f;
-    for (int64_t j = 0; j < seen; ++j) total += (row[j] = std::exp(row[j] - top));
-    totals[i] = total;
-  }
-  for (int64_t j = 0; j < n_keys; ++j) {
-    const float* value = key_row(v_pages, j);
-    for (int64_t i = 0; i < M; ++i)
-      if (j <= position(i)) add_scaled(acc.data() + i * D, scores[i * n_keys + j], value, D);
-  }
-  for (int64_t i = 0; i < M; ++i) {
+    for (j = 0; j < seen; ++j) total += (row[j] = std::exp(row[j] - top));
+    int64_t d = 0;
+    if (D % 8 == 0) {
+      for (; d + 64 <= D; d += 64) weighted_sum<8>(row, values.data(), seen, d, acc.data() + d);
+      for (; d + 32 <= D; d += 32) weighted_sum<4>(row, values.data(), seen, d, acc.data() + d);
+      for (; d < D; d += 8) weighted_sum<1>(row, values.data(), seen, d, acc.data() + d);
+    } else {
+      std::fill(acc.begin(), acc.begin() + D, 0.f);
+      for (j = 0; j < seen; ++j) add_scaled(acc.data(), row[j], values[j], D);
+    }
     float* o = output(i);
-    const float total = totals[i];
-    for (int64_t d = 0; d < D; ++d) o[d] = total > 0.f ? acc[i * D + d] / total : 0.f;
+    for (d = 0; d < D; ++d) o[d] = total > 0.f ? acc[d] / total : 0.f;
   }
 }
 
