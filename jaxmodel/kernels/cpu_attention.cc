@@ -67,7 +67,10 @@ inline void dot8(const float* a, const float* const* keys, int64_t D, float scal
 #ifdef __AVX__
   __m256 r[8], t[8], u[8];
   for (int k = 0; k < 8; ++k) r[k] = (__m256)acc[k];
-  for (int k = 0; k < 8; k += 2) t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]), t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]);
+    t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+  }
   for (int k = 0; k < 8; k += 4) {
     u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44);
     u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
