@@ -9,6 +9,7 @@ so the event loop stays responsive.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import math
@@ -35,6 +36,17 @@ from .types import (Committed, Continued, DoneEvent, DraftPlan, Event, Generatio
                     StepPlan, TokensEvent)
 
 log = logging.getLogger("gdnspec.engine")
+
+
+def freeze_heap() -> None:
+    """Collect once, then move every object alive now out of the garbage collector's reach (`gc.freeze`): a warm-up
+    leaves about a million of them (the bundled model's 30 traced and compiled step shapes), and each full
+    collection walked them all. Under the 16-stream load one took 0.75 s, in one round of 24 to 28 of those that
+    drafted n-grams (whose host-side bookkeeping allocates enough to trigger one), which then ran at 2200-2600
+    tokens/s instead of about 11000; frozen, a full collection takes about 1 ms. Objects made later are collected
+    as before."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass
@@ -403,6 +415,7 @@ class Engine:
         (`Runtime.calibrate`); returns how many shapes compiled. `background_warmup` does the same while serving."""
         n = sum(1 for _ in self._shapes_to_compile())
         self._calibrate()
+        freeze_heap()
         return n
 
     def _shapes_to_compile(self) -> Iterator[object]:
@@ -506,6 +519,7 @@ class Engine:
                         n_compiled, finished = n_compiled + 1, False
                     else:
                         await anyio.to_thread.run_sync(self._calibrate)
+                        freeze_heap()
                         log.info("warm-up: %d step shapes compiled in the background in %.1f s", n_compiled,
                                  time.perf_counter() - start)
                 except Exception:  # the engine serves on; steps compile what they need on first use

@@ -4,6 +4,7 @@ rollback mode, budget accounting, cancellation."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import anyio
 import jax
@@ -326,7 +327,7 @@ def test_end_of_generation_id_ends_a_sequence_inside_a_device_loop(target, promp
 def test_requests_are_served_while_shapes_compile_in_the_background(target, prompts, references):
     """With background warm-up the engine serves at once: a request arriving before any shape has compiled gets
     plain greedy's tokens (its steps compile what they need), and the warm-up then finishes with the policy's
-    calibration."""
+    calibration and freezes the heap it leaves."""
 
     async def main():
         engine = Engine(target, budget_bytes=700_000, max_running=1, max_model_len=64, chunk_size=4, n_max=1,
@@ -338,11 +339,13 @@ def test_requests_are_served_while_shapes_compile_in_the_background(target, prom
                 await engine.warmed.wait()
         return tokens, engine
 
+    gc.unfreeze()  # an earlier engine's warm-up may have frozen the heap
     tokens, engine = anyio.run(main)
     assert tokens == references[prompts[0]]
     assert set(engine.runtime.chain_seconds) == {1}  # calibrated: one batch bucket, the MTP head chains
     assert set(engine.runtime.plane_write_seconds) == {1}  # in planes lent while idle, and given back:
     assert engine.memory.free_planes == engine.memory.usable_planes
+    assert gc.get_freeze_count() > 0  # what the warm-up left is out of the collector's way (`freeze_heap`)
 
 
 def test_prompt_chunks_joining_running_sequences_run_in_calls_of_their_own(target, prompts, references):
