@@ -414,8 +414,7 @@ class Engine:
         """Compile every step shape this engine can run, then time a few of them for the drafter policy's costs
         (`Runtime.calibrate`); returns how many shapes compiled. `background_warmup` does the same while serving."""
         n = sum(1 for _ in self._shapes_to_compile())
-        self._calibrate()
-        freeze_heap()
+        self._finish_warmup()
         return n
 
     def _shapes_to_compile(self) -> Iterator[object]:
@@ -423,15 +422,16 @@ class Engine:
         for drafter in self.drafters.values():
             yield from drafter.warmup()
 
-    def _calibrate(self) -> None:
-        """Time the runtime's steps (only while no step runs), lending it free planes to time snapshot's state
-        writes in."""
+    def _finish_warmup(self) -> None:
+        """After the shapes have compiled: time the runtime's steps (only while no step runs), lending it free
+        planes to time snapshot's state writes in, then freeze the heap the warm-up leaves (`freeze_heap`)."""
         spare = self.memory.take_planes(min(self.memory.free_planes, 1 + self.n_max))
         try:
             calibration = self.runtime.calibrate(spare_planes=spare)
         finally:
             self.memory.give_planes(spare)
         self.policy.calibrate(calibration.step_seconds)
+        freeze_heap()
 
     def _release(self, seq_id) -> None:
         for drafter in self.drafters.values():
@@ -518,8 +518,7 @@ class Engine:
                     if await anyio.to_thread.run_sync(next, uncompiled, None, abandon_on_cancel=True) is not None:
                         n_compiled, finished = n_compiled + 1, False
                     else:
-                        await anyio.to_thread.run_sync(self._calibrate)
-                        freeze_heap()
+                        await anyio.to_thread.run_sync(self._finish_warmup)
                         log.info("warm-up: %d step shapes compiled in the background in %.1f s", n_compiled,
                                  time.perf_counter() - start)
                 except Exception:  # the engine serves on; steps compile what they need on first use
