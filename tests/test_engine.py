@@ -357,7 +357,7 @@ def test_prompt_chunks_joining_running_sequences_run_in_calls_of_their_own(targe
     results, calls_per_step = [], []
 
     async def main():
-        engine = Engine(target, adaptive=False, **{**ENGINE, "chunk_size": 40, "token_budget": 96, "max_running": 3})
+        engine = Engine(target, adaptive=False, **{**ENGINE, "chunk_size": 40, "token_budget": 96})
         engine.iterations = ITERATIONS
         step, call = engine.runtime.step, engine.runtime._call
         calls = []
