@@ -25,13 +25,20 @@ def target():
     return load_model(DATA / "tiny-qwen35-mtp.gguf")
 
 
+def runtime_of(model: Model) -> Runtime:
+    """A runtime with fresh pools, of the one configuration the tests below share (but those whose point needs
+    another): each distinct pool size, bound or padded shape is another set of compilations."""
+    return Runtime(model, n_pages=9, n_planes=11, n_chain_max=3, replay_tokens=3, max_iterations=6, lookup_drafts=3,
+                   shapes=Shapes(max_rows=2, max_tokens=64, max_logit_rows=4, pages_per_row=2))
+
+
 @pytest.mark.parametrize("chunks", [(19,), (7, 12), (1, 17, 1)])
 def test_mtp_drafts_follow_the_mtp_chain(target, chunks):
     """In the target's step the MTP head catches up with the target's hidden states (over prompt chunks, whose
     boundaries take h_{s-1} from the hidden pool), then chains on its own hidden state."""
     rng = np.random.default_rng(3)
     tokens = [int(t) for t in rng.integers(0, 509, sum(chunks))]
-    runtime = Runtime(target, n_pages=4, n_planes=4, n_chain_max=3)
+    runtime = runtime_of(target)
     pages, start, read = [1, 2], 0, 0
     for i, n in enumerate(chunks):
         last = i == len(chunks) - 1
@@ -59,7 +66,7 @@ def test_mtp_catch_up_without_a_chain_writes_what_a_chain_reads(target):
     chain after them drafts exactly what the MTP head drafts over the whole sequence."""
     rng = np.random.default_rng(5)
     prompt = [int(t) for t in rng.integers(0, 509, 12)]
-    runtime = Runtime(target, n_pages=4, n_planes=4, n_chain_max=3)
+    runtime = runtime_of(target)
     pages = [1, 2]
     result = runtime.step([StepRow(Row(prompt, 0, pages, 0, [-1] * 11 + [1], [11]), n_chain=0)])[0]
     tokens, read = list(prompt), 1
@@ -103,8 +110,7 @@ def test_a_looping_calls_deferred_catch_up_writes_what_a_chain_reads(target, bes
     one MTP pass over it writes."""
     rng = np.random.default_rng(6)
     prompts = [[int(t) for t in rng.integers(0, 509, n)] for n in (12, 8)]
-    runtime = Runtime(target, n_pages=6, n_planes=8, n_chain_max=3, max_iterations=6, lookup_drafts=3,
-                      shapes=Shapes(max_rows=2, max_tokens=16, max_logit_rows=4, pages_per_row=2))  # fmt: skip
+    runtime = runtime_of(target)
     pages, planes = ([1, 2], [3, 4]), ((1, 2), (3, 4, 5, 6, 7))
     n_rows = 1 if beside is None else 2
     rows = []
@@ -142,9 +148,9 @@ def test_a_looping_calls_deferred_catch_up_writes_what_a_chain_reads(target, bes
 def test_mtp_chain_stops_below_p_min(target):
     rng = np.random.default_rng(4)
     tokens = [int(t) for t in rng.integers(0, 509, 9)]
-    runtime = Runtime(target, n_pages=4, n_planes=3, n_chain_max=4)
+    runtime = runtime_of(target)
     row = Row(tokens, 0, [1, 2], 0, [-1] * 8 + [1], [8])
-    assert runtime.step([StepRow(row, n_chain=4, p_min=1.0)])[0].next_drafts == []
+    assert runtime.step([StepRow(row, n_chain=3, p_min=1.0)])[0].next_drafts == []
     assert runtime.step([StepRow(row, n_chain=-1)])[0].next_drafts == []
 
 
@@ -219,8 +225,7 @@ def test_replay_iterations_in_one_call_match_plain_greedy(target, optimistic, he
         model = Model(target.cfg, dataclasses.replace(weights, output=jnp.zeros_like(weights.output),
                                                       mtp=dataclasses.replace(weights.mtp,
                                                                               head=jnp.zeros_like(weights.mtp.head))))
-    runtime = Runtime(model, n_pages=5, n_planes=4, n_chain_max=3, replay_tokens=3, max_iterations=4,
-                      shapes=Shapes(max_rows=1, max_tokens=8, max_logit_rows=4, pages_per_row=2))  # fmt: skip
+    runtime = runtime_of(model)
     rng = np.random.default_rng(11)
     prompt = [int(t) for t in rng.integers(0, 509, 8)]
     first = runtime.step([StepRow(Row(prompt, 0, [1, 2], 0, [-1] * 7 + [1], [7]), n_chain=3)])[0]
@@ -279,9 +284,7 @@ def test_lookup_iterations_in_one_call_match_plain_greedy(target, replay, head):
     that matches nothing, every later iteration runs at one token. Either way the tokens equal plain greedy
     decoding's. head 0: the row's request also has the MTP head, which then only catches up (its chain would be
     discarded for the lookup's drafts), so the call hands back no MTP drafts."""
-    runtime = Runtime(target, n_pages=9, n_planes=11, replay_tokens=3, max_iterations=6, lookup_drafts=3,
-                      n_chain_max=3 if head >= 0 else 0,
-                      shapes=Shapes(max_rows=2, max_tokens=8, max_logit_rows=4, pages_per_row=2))  # fmt: skip
+    runtime = runtime_of(target)
     assert runtime.lookup_width == 4
     rng = np.random.default_rng(12)
     prompts = [[int(t) for t in rng.integers(0, 509, 8)] for _ in range(2)]
