@@ -132,7 +132,7 @@ def _serve(args) -> int:
     access = Access.from_env(args.api_key, args.allow_origin)
     if args.warmup_first:
         start = time.perf_counter()
-        n_shapes = engine.warmup()
+        n_shapes = engine.warmup(threads=args.compile_threads)
         logging.getLogger("gdnspec").info("warm-up: %d step shapes ready in %.1f s", n_shapes,
                                           time.perf_counter() - start)  # fmt: skip
     else:
@@ -293,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-first", action="store_true",
                    help="compile every step shape before listening (default: listen at once and compile them while "
                         "idle; a request arriving meanwhile compiles what it needs first)")
+    p.add_argument("--compile-threads", type=int, metavar="N",
+                   help="with --warmup-first: step shapes compiled at once (default: one per core this process may "
+                        "use; each compilation keeps about one core busy)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' at the handshake (default: the "
                                      "GDNSPEC_API_KEY environment variable; none when both are empty)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",

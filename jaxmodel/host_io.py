@@ -136,6 +136,13 @@ class PackedCall:
 
         self._jitted = jax.jit(packed, static_argnames=("layout", *static_argnames), donate_argnames="state")
 
+    def compile(self, weights, state, inputs: dict, **static) -> None:
+        """Trace and compile the call these arguments make, without running it (nothing is donated): a later call
+        of the same layout and static arguments finds the executable where jit keeps it. Safe to run from several
+        threads at once; XLA compiles without holding the GIL, so distinct shapes then compile side by side."""
+        buffer, layout = pack(inputs)
+        self._jitted.lower(weights, state, buffer, layout=layout, **static).compile()
+
     def __call__(self, weights, state, inputs: dict, **static):
         buffer, layout = pack(inputs)
         n_traces = self._n_traces

@@ -8,6 +8,7 @@ Synchronous and single-threaded: the engine calls it from one worker thread at a
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import statistics
@@ -487,10 +488,9 @@ class Runtime:
         )
         return [drafts[b, : n_drafted[b]].tolist() for b in range(len(rows))]
 
-    def warmup(self) -> Iterator[tuple[int, int]]:
-        """Compile every step shape of `self.shapes`, one per iteration of the returned generator (which yields
-        its (B, T)), with all-padding batches: they read the null plane and write nothing. Nothing is compiled
-        until the generator runs; between two shapes the runtime may run real steps."""
+    def _warmup_calls(self) -> Iterator[tuple[int, int, dict, dict]]:
+        """(B, T, inputs, static arguments) of every step shape of `self.shapes`: all-padding batches, which read
+        the null plane and write nothing."""
         if self.shapes is None:
             return
         for B, T, R, final_only in self.shapes.grid():
@@ -501,12 +501,36 @@ class Runtime:
                 loop = self._loop_inputs([], B, 1, lookup) if max_iterations > 1 else None
                 inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop,
                               replay=self._replay_inputs([], B, T, final_only, lookup))
-                self.state = self._step(
-                    self.model.weights, self.state, inputs, final_only=final_only, n_max=self.mtp_chain_max,
-                    max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
-                    lookup_width=self.lookup_width if lookup else 0,
-                )[1]  # fmt: skip
-                yield B, T
+                static = dict(final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
+                              draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
+                              lookup_width=self.lookup_width if lookup else 0)  # fmt: skip
+                yield B, T, inputs, static
+
+    def warmup(self) -> Iterator[tuple[int, int]]:
+        """Compile every step shape of `self.shapes` (unless `compile` has), running each once, one per iteration
+        of the returned generator (which yields its (B, T)), with all-padding batches: they read the null plane and
+        write nothing. Nothing is compiled until the generator runs; between two shapes the runtime may run real
+        steps."""
+        for B, T, inputs, static in self._warmup_calls():
+            self.state = self._step(self.model.weights, self.state, inputs, **static)[1]
+            yield B, T
+
+    def compile(self, threads: int) -> int:
+        """Compile every step shape `warmup` runs, `threads` at a time, without running any (the state is not
+        touched); returns how many. The compilations of distinct shapes are independent, and XLA's compiler uses
+        about one core per shape most of the time, so on a machine with many cores this takes a fraction of the
+        time one after the other does; `warmup` then only runs each shape once. Calls of this runtime must not
+        run meanwhile (they may compile the same shape twice)."""
+        calls = [(inputs, static) for _, _, inputs, static in self._warmup_calls()]
+        if threads <= 1:
+            for inputs, static in calls:
+                self._step.compile(self.model.weights, self.state, inputs, **static)
+            return len(calls)
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="gdnspec-compile") as pool:
+            for future in [pool.submit(self._step.compile, self.model.weights, self.state, inputs, **static)
+                           for inputs, static in calls]:  # fmt: skip
+                future.result()
+        return len(calls)
 
     def calibrate(self, repeats: int = 5, spare_planes: Sequence[int] = ()) -> Calibration:
         """Time warm steps of every batch bucket B on rows that feed the trash page from the null plane and write

@@ -13,6 +13,7 @@ import gc
 import itertools
 import logging
 import math
+import os
 import time
 import traceback
 from collections import Counter
@@ -36,6 +37,14 @@ from .types import (Committed, Continued, DoneEvent, DraftPlan, Event, Generatio
                     StepPlan, TokensEvent)
 
 log = logging.getLogger("gdnspec.engine")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def freeze_heap() -> None:
@@ -410,9 +419,12 @@ class Engine:
                         names[row.seq_id] = name
         return plan.with_drafts(drafts, names)
 
-    def warmup(self) -> int:
-        """Compile every step shape this engine can run, then time a few of them for the drafter policy's costs
-        (`Runtime.calibrate`); returns how many shapes compiled. `background_warmup` does the same while serving."""
+    def warmup(self, threads: int | None = None) -> int:
+        """Compile every step shape this engine can run, the target's `threads` at a time (default: one per core
+        this process may use; `Runtime.compile`), then time a few of them for the drafter policy's costs
+        (`Runtime.calibrate`); returns how many shapes compiled. `background_warmup` does the same while serving,
+        one shape at a time."""
+        self.runtime.compile(available_cores() if threads is None else threads)
         n = sum(1 for _ in self._shapes_to_compile())
         self._finish_warmup()
         return n

@@ -248,6 +248,21 @@ def test_replay_iterations_in_one_call_match_plain_greedy(target, optimistic, he
         np.testing.assert_allclose(pool[1], pool[3], atol=1e-4, rtol=0)
 
 
+def test_shapes_compiled_side_by_side_are_the_ones_warmup_runs(target):
+    """`Runtime.compile` compiles every step shape `warmup` runs, two at a time, without running any (the pools
+    are unchanged); `warmup` then runs each without tracing it again."""
+    runtime = Runtime(target, n_pages=3, n_planes=3, n_chain_max=3, replay_tokens=3,
+                      shapes=Shapes(max_rows=1, max_tokens=4, max_logit_rows=4, pages_per_row=2))  # fmt: skip
+    before = jax.tree.map(np.array, runtime.state)
+    assert runtime.compile(threads=2) == 2
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.array, runtime.state))
+    shapes = []
+    for shape in runtime.warmup():
+        assert not runtime._step.traced, shape
+        shapes.append(shape)
+    assert shapes == [(1, 1), (1, 4)]
+
+
 def test_calibration_times_steps_without_touching_sequences(target):
     """`Runtime.calibrate` times a decoding step, a verify step and the same verify step chaining MTP drafts, on
     rows that read the null plane and write only the trash page, the replay rebuild alone, writing nothing, and
