@@ -39,12 +39,15 @@ def _build_engine(args):
     from scheduler.engine import DEFAULT_ITERATIONS, DEFAULT_MAX_CALL_SECONDS, Engine
 
     model_path, draft_path = _model_paths(args)
-    model = load_model(model_path, weight_dtype=args.weight_dtype)
-    tokenizer = load_tokenizer(model_path)
-    draft = None
-    if draft_path:
-        check_same_vocab(model_path, draft_path)
-        draft = load_model(draft_path, load_mtp=False, weight_dtype=args.weight_dtype)
+    try:  # a file that cannot serve is the user's to fix: one line naming it and what is wrong, no traceback
+        model = load_model(model_path, weight_dtype=args.weight_dtype)
+        tokenizer = load_tokenizer(model_path)
+        draft = None
+        if draft_path:
+            check_same_vocab(model_path, draft_path)
+            draft = load_model(draft_path, load_mtp=False, weight_dtype=args.weight_dtype)
+    except ValueError as exc:  # ModelFormatError, or a draft model of another vocabulary
+        raise SystemExit(f"gdnspec: cannot load the model: {exc}") from None
     engine = Engine(
         model, tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
@@ -114,8 +117,8 @@ def _serve(args) -> int:
     from api.server import Access, Server, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    engine, tokenizer = _build_engine(args)  # first: a file that cannot serve is refused before anything else
     _use_compile_cache()
-    engine, tokenizer = _build_engine(args)
     known = tuple(name for name in engine.drafters if name != "synthetic")
     drafters = tuple(d for d in args.default_drafters.split(",") if d) if args.default_drafters != "none" else ()
     try:

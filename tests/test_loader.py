@@ -102,6 +102,18 @@ def test_not_a_gguf_and_no_file(tmp_path):
         load_model(tmp_path / "nothing.gguf")
 
 
+def test_the_server_refuses_a_corrupt_file_in_one_line(tmp_path):
+    """`gdnspec serve` on a truncated GGUF exits at once with one line naming the file and what is wrong."""
+    from api.cli import main
+
+    data = TINY.read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[:2000])
+    with pytest.raises(SystemExit, match=r"^gdnspec: cannot load the model: .*cut\.gguf: .*needs \d+ bytes at "
+                                         r"offset \d+, the file has \d+ left$"):
+        main(["serve", "--model", str(path), "--port", "0"])
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_writer_round_trip(tmp_path, dtype):
     """Export the fixture's weights and load them back: every matmul weight comes back as its rounding to
