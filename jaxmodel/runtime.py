@@ -521,15 +521,14 @@ class Runtime:
         about one core per shape most of the time, so on a machine with many cores this takes a fraction of the
         time one after the other does; `warmup` then only runs each shape once. Calls of this runtime must not
         run meanwhile (they may compile the same shape twice)."""
-        calls = [(inputs, static) for _, _, inputs, static in self._warmup_calls()]
-        if threads <= 1:
-            for inputs, static in calls:
-                self._step.compile(self.model.weights, self.state, inputs, **static)
-            return len(calls)
-        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="gdnspec-compile") as pool:
-            for future in [pool.submit(self._step.compile, self.model.weights, self.state, inputs, **static)
-                           for inputs, static in calls]:  # fmt: skip
-                future.result()
+        def compile_one(call: tuple[int, int, dict, dict]) -> None:
+            _, _, inputs, static = call
+            self._step.compile(self.model.weights, self.state, inputs, **static)
+
+        calls = list(self._warmup_calls())
+        with concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="gdnspec-compile") as pool:
+            for _ in pool.map(compile_one, calls):  # re-raises a compilation's error here
+                pass
         return len(calls)
 
     def calibrate(self, repeats: int = 5, spare_planes: Sequence[int] = ()) -> Calibration:
