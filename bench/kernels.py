@@ -39,12 +39,16 @@ PATCHED_MODULES = (cpu_matmul, cpu_gdn, cpu_attention, cpu_argmax)
 BASE = "base_"
 
 # (kind, shape): the bundled model's products (output head, FFN up/down, GDN projections), its GDN recurrence and its
-# attention (Hk 2, Hv 4, Dk = Dv 32; H 4, Hkv 2, D 32 over 130 positions), at 1 and 16 rows, 1 and 4 tokens.
+# attention (Hk 2, Hv 4, Dk = Dv 32; H 4, Hkv 2, D 32 over 130 positions), at 1 and 16 rows, 1 and 4 tokens; attention at
+# long contexts (4096 positions; a 128-token prompt chunk after 1024) and with the 0.8B's heads (H 8, Hkv 2, D 256)
+# over 8192 positions: (rows, tokens, positions[, H, Hkv, D]).
 CASES = (
     ("q8", (1, 4096, 192)), ("q8", (1, 1024, 192)), ("q8", (1, 192, 512)), ("q8", (16, 4096, 192)),
     ("q8", (16, 1024, 192)), ("q8", (16, 192, 512)), ("q8", (16, 392, 192)),
     ("gdn", (1, 1, 32)), ("gdn", (16, 1, 32)), ("gdn", (1, 4, 32)), ("gdn", (16, 4, 32)),
     ("attention", (1, 1, 130)), ("attention", (16, 1, 130)), ("attention", (1, 4, 130)), ("attention", (16, 4, 130)),
+    ("attention", (1, 1, 4096)), ("attention", (1, 4, 4096)), ("attention", (1, 128, 1024)),
+    ("attention", (1, 1, 8192, 8, 2, 256)), ("attention", (1, 4, 8192, 8, 2, 256)),
 )
 
 
@@ -113,8 +117,8 @@ def kernel_loop(kind: str, shape: tuple, reps: int):
             out, pool = cpu_gdn.gdn_recurrent_cpu(q, k, vt, g, beta, pool, read, writes, jnp.full((B,), T))
             return pool, vt + out * 1e-6
     else:
-        B, T, context = shape
-        H, Hkv, D, page = 4, 2, 32, 16
+        B, T, context, H, Hkv, D = shape if len(shape) == 6 else (*shape, 4, 2, 32)
+        page = 16
         n_pages = -(-(context + T) // page)
         k_pages, v_pages = f32(1 + B * n_pages, page, Hkv, D), f32(1 + B * n_pages, page, Hkv, D)
         table = jnp.asarray(1 + np.arange(B * n_pages).reshape(B, n_pages), jnp.int32)

@@ -32,10 +32,11 @@ PAGES_PER_BLOCK = 8
 # On GPU the kernel takes steps of up to this many query tokens per row (decode and verify); longer prefill
 # chunks use the jnp loop, whose [T, keys] score blocks the kernel would have to hold per program.
 GPU_KERNEL_MAX_TOKENS = 16
-# On CPU the kernel (`kernels.cpu_attention`) takes every step whose score buffer (one task's queries, T x H / Hkv,
-# times the page table's keys, in float32) fits in this; wider steps (long prompt chunks at a very long
-# --max-model-len) take the jnp loop over blocks of pages.
+# On CPU the kernel (`kernels.cpu_attention`) takes every step whose score buffer (one tile of a task's queries,
+# at most CPU_KERNEL_TILE of its T x H / Hkv, times the page table's keys, in float32) fits in this; wider steps (a
+# page table of about a million positions) take the jnp loop over blocks of pages.
 CPU_KERNEL_MAX_SCORE_BYTES = 64 << 20
+CPU_KERNEL_TILE = 16  # cpu_attention.cc's kTile
 # Benchmarks set this (and PAGES_PER_BLOCK) to force an implementation in a model step; read when it is traced.
 FORCE_IMPL: str | None = None
 
@@ -113,10 +114,10 @@ def choose_implementation(backend: str, n_tokens: int, n_pages: int, cpu_kernel:
 
 def kernel_score_bytes(q_shape, k_pages_shape, n_pages: int) -> int:
     """Bytes of the CPU kernel's per-task score buffer for q [B, T, H, D], pages [N, S, Hkv, D] and a page table of
-    n_pages: T x H / Hkv queries by n_pages x S keys, float32."""
+    n_pages: a tile of the T x H / Hkv queries (at most CPU_KERNEL_TILE) by n_pages x S keys, float32."""
     _, T, H, _ = q_shape
     _, S, Hkv, _ = k_pages_shape
-    return T * (H // Hkv) * n_pages * S * 4
+    return min(T * (H // Hkv), CPU_KERNEL_TILE) * n_pages * S * 4
 
 
 def attend(q, k_pages, v_pages, page_table, positions, valid, *, impl: str | None = None):

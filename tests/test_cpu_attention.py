@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxmodel import attention
-from jaxmodel.attention import CPU_KERNEL_MAX_SCORE_BYTES, choose_implementation, kernel_score_bytes
+from jaxmodel.attention import (CPU_KERNEL_MAX_SCORE_BYTES, CPU_KERNEL_TILE, choose_implementation,
+                                kernel_score_bytes)
 from jaxmodel.kernels import cpu_matmul
 from jaxmodel.kernels.cpu_attention import paged_attention_cpu
 from jaxmodel.kernels.paged_attention import paged_attention_reference
@@ -38,6 +39,16 @@ def test_kernel_matches_reference_at_other_head_shapes(H, Hkv, D):
 
 
 @needs_kernel
+def test_kernel_matches_reference_at_a_long_context():
+    """The 0.8B's heads over about 700 positions, where a row's keys and values pass 1 MB and its queries walk them
+    in tiles of 16 (two full tiles and a part here), beside a row of one live token and a short one."""
+    case = random_case(6, starts=[700, 520, 30], n_tokens=[9, 1, 3], T=9, P=48, H=8, Hkv=2, D=256)
+    out = np.asarray(run(*case.args))
+    check_valid_tokens(out, case)
+    np.testing.assert_array_equal(out[~case.valid], 0.0)
+
+
+@needs_kernel
 def test_kernel_reads_only_each_rows_own_live_pages():
     """NaN in every page past each row's last live page (a longer row's range and stale table entries included)."""
     case = random_case(8, starts=[95, 20, 0], n_tokens=[1, 2, 0], T=2, P=32)
@@ -46,11 +57,12 @@ def test_kernel_reads_only_each_rows_own_live_pages():
 
 
 @needs_kernel
-@pytest.mark.parametrize("H,Hkv,D", [(4, 2, 32), (8, 2, 256)])
-def test_a_query_is_the_same_bits_in_a_step_of_any_length(H, Hkv, D):
+@pytest.mark.parametrize("H,Hkv,D,start", [(4, 2, 32, 40), (8, 2, 256, 40), (8, 2, 256, 700)])
+def test_a_query_is_the_same_bits_in_a_step_of_any_length(H, Hkv, D, start):
     """Token t's output when its step feeds it alone equals its output inside a step of 8 tokens, bit for bit, and
-    does not depend on the other rows: what makes a verify step reproduce decoding steps."""
-    case = random_case(11, starts=[40, 9], n_tokens=[8, 8], T=8, P=8, H=H, Hkv=Hkv, D=D)
+    does not depend on the other rows: what makes a verify step reproduce decoding steps (at 700 positions the
+    step's 32 queries per KV head walk the keys in two tiles of 16, a token alone in a tile of 4)."""
+    case = random_case(11, starts=[start, 9], n_tokens=[8, 8], T=8, P=48, H=H, Hkv=Hkv, D=D)
     whole = np.asarray(run(*case.args))  # [B, T, H, D]
     for t in range(8):
         alone = np.asarray(run(case.q[:, t : t + 1], case.k_pages, case.v_pages, case.page_table,
@@ -80,12 +92,13 @@ def test_kernel_refuses_positions_past_the_table_and_pages_outside_the_pool():
 @needs_kernel
 def test_attend_takes_the_kernel_for_every_step_on_cpu_whose_scores_fit():
     """Decode, verify and prefill steps alike (so a decoding row batched with a prompt chunk computes what it would
-    alone), except where the score buffer would pass the bound: a long chunk at a very long context."""
+    alone), except where the score buffer (a tile of 16 queries by the table's keys) would pass the bound: a page
+    table of about a million positions."""
     wide = 4 * attention.PAGES_PER_BLOCK
     assert choose_implementation("cpu", 1, wide, cpu_kernel=True) == "cpu"
     chunk = kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), wide)  # 128 tokens, the 0.8B's heads
     assert choose_implementation("cpu", 128, wide, True, chunk) == "cpu"
-    too_wide = CPU_KERNEL_MAX_SCORE_BYTES // (128 * 4 * 16 * 4) + 1  # pages: 128 tokens x 4 queries per KV head
+    too_wide = CPU_KERNEL_MAX_SCORE_BYTES // (CPU_KERNEL_TILE * 16 * 4) + 1  # pages: a tile of 16 queries
     assert kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), too_wide) > CPU_KERNEL_MAX_SCORE_BYTES
     assert choose_implementation("cpu", 128, too_wide, True,
                                  kernel_score_bytes((1, 128, 8, 256), (9, 16, 2, 256), too_wide)) == "blocked"

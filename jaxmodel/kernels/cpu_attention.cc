@@ -4,15 +4,17 @@
 //
 // One task per (row b, KV head h) walks the row's own pages up to its last live position, so a row costs its own
 // context whatever the width of the page table, and a padding row costs nothing. The T x G queries of the task
-// (G = H / Hkv query heads share a KV head) each walk the keys they may see, eight at a time, which stay in cache
-// from one query to the next.
+// (G = H / Hkv query heads share a KV head) walk the keys in groups of up to four, each key's and value's vectors
+// loaded once for the group: a decoding step's G heads share them, and so do a verify step's or a prompt chunk's
+// tokens (at a long context the keys come from L3 or memory, not from cache).
 //
-// Every query is computed alone, in one fixed order: its score with key j is D products in eight strided lanes
-// (one per vector lane), added lane by lane, then the tail; the softmax takes the scores' maximum, then
-// exp(score - max) summed over j in order; the output adds p_j * v_j over j in order and divides by the sum. Nothing
-// depends on T or on the other queries, so a token's attention is the same bits in a decoding step and in a verify
-// step (XLA's dot picks its summation order by the number of query rows; README, "A token's logits do not depend on
-// its step's length").
+// Every query's result is computed in one fixed order, whatever its group: its score with key j is D products in
+// eight strided lanes (one per vector lane), added lane by lane, then the tail; the softmax takes the scores'
+// maximum, then exp(score - max) for eight keys at a time (`exp8`), summed in eight lanes over the keys in order and
+// then lane by lane; the output adds p_j * v_j over j in order and divides by the sum. Nothing depends on T or on
+// the other queries, so a token's attention is the same bits in a decoding step and in a verify step (XLA's dot
+// picks its summation order by the number of query rows; README, "A token's logits do not depend on its step's
+// length").
 //
 // Reference: `paged_attention_reference` in paged_attention.py; tests: tests/test_cpu_attention.py.
 
@@ -53,17 +55,9 @@ inline void add_scaled(float* acc, float p, const float* v, int64_t D) {
   for (int64_t d = D8; d < D; ++d) acc[d] = std::fma(p, v[d], acc[d]);
 }
 
-// The scores of eight keys with one query, each exactly as `dot` computes it, then scaled: eight independent chains
-// of FMAs (one key at a time waited on each FMA's latency), and the eight lane sums at once, lane by lane in the same
-// order, after a transpose (one key's took seven dependent scalar additions).
-inline void dot8(const float* a, const float* const* keys, int64_t D, float scale, float* out) {
-  const int64_t D8 = D & ~int64_t(7);
-  v8 acc[8] = {};
-  for (int64_t d = 0; d < D8; d += 8) {
-    const v8 x = *(const v8*)(a + d);
-    for (int k = 0; k < 8; ++k) acc[k] = multiply_add(acc[k], x, *(const v8*)(keys[k] + d));
-  }
-  float sums[8];
+// sums[k] = lane_sum(acc[k]) for eight vectors at once, lane by lane in lane_sum's order, after a transpose (one
+// vector's sum took seven dependent scalar additions).
+inline void lane_sums8(const v8* acc, float* sums) {
 #ifdef __AVX__
   __m256 r[8], t[8], u[8];
   for (int k = 0; k < 8; ++k) r[k] = (__m256)acc[k];
@@ -84,74 +78,249 @@ inline void dot8(const float* a, const float* const* keys, int64_t D, float scal
 #else
   for (int k = 0; k < 8; ++k) sums[k] = lane_sum(acc[k]);
 #endif
-  for (int k = 0; k < 8; ++k) {
-    float s = sums[k];
-    for (int64_t d = D8; d < D; ++d) s += a[d] * keys[k][d];
-    out[k] = s * scale;
+}
+
+// The scores of Q queries with 8 / Q keys (keys[0, 8 / Q)), written to rows[q][j + k], each exactly as `dot`
+// computes it, then scaled: eight independent chains of FMAs, each key's vector loaded once for the Q queries.
+template <int Q>
+inline void scores_block(const float* const* queries, const float* const* keys, int64_t D, float scale,
+                         float* const* rows, int64_t j) {
+  constexpr int KB = 8 / Q;
+  const int64_t D8 = D & ~int64_t(7);
+  v8 acc[8] = {};
+  for (int64_t d = 0; d < D8; d += 8) {
+    v8 x[Q];
+    for (int q = 0; q < Q; ++q) x[q] = *(const v8*)(queries[q] + d);
+    for (int k = 0; k < KB; ++k) {
+      const v8 w = *(const v8*)(keys[k] + d);
+      for (int q = 0; q < Q; ++q) acc[q * KB + k] = multiply_add(acc[q * KB + k], x[q], w);
+    }
+  }
+  float sums[8];
+  lane_sums8(acc, sums);
+  for (int q = 0; q < Q; ++q)
+    for (int k = 0; k < KB; ++k) {
+      float s = sums[q * KB + k];
+      for (int64_t d = D8; d < D; ++d) s += queries[q][d] * keys[k][d];
+      rows[q][j + k] = s * scale;
+    }
+}
+
+// Scores of query `query` with keys [j0, j1), into row[j0, j1).
+inline void scores_alone(const float* query, const float* const* keys, int64_t D, float scale, float* row,
+                         int64_t j0, int64_t j1) {
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) scores_block<1>(&query, keys + j, D, scale, &row, j);
+  for (; j < j1; ++j) row[j] = dot(query, keys[j], D) * scale;
+}
+
+// exp(x) for eight lanes: Cephes' expf (x = n ln 2 + r, a degree-7 polynomial in r, scaled by 2^n), within 2 ulp
+// of expf; 0 below -87.33 (where expf turns subnormal) and for -inf; exp(0) is exactly 1. The same arithmetic on
+// every lane and in every step, so a score's weight does not depend on where it is computed.
+inline v8 exp8(v8 x) {
+  const v8 log2e = splat(1.44269504088896341f), c1 = splat(0.693359375f), c2 = splat(-2.12194440e-4f);
+  x = x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x;
+  v8 fx = x * log2e + splat(0.5f);
+#ifdef __AVX2__
+  fx = (v8)_mm256_floor_ps((__m256)fx);
+#else
+  for (int i = 0; i < 8; ++i) fx[i] = std::floor(fx[i]);
+#endif
+  v8 r = x - fx * c1;
+  r = r - fx * c2;
+  v8 y = splat(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = y * r + splat(c);
+  y = y * (r * r) + r + splat(1.f);
+  v8 scaled;
+#ifdef __AVX2__
+  const __m256i n = _mm256_cvttps_epi32((__m256)fx);
+  scaled = y * (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+#else
+  for (int i = 0; i < 8; ++i) scaled[i] = std::ldexp(y[i], int(fx[i]));
+#endif
+  return x < splat(-87.3365447504019f) ? splat(0.f) : scaled;
+}
+
+// row[0, seen) <- exp(row[j] - max over the row), returning their sum: eight lanes summed across the keys in order,
+// then the lanes in order (lane_sum). row has room for seen rounded up to 8; the rest is set to -inf (weight 0).
+inline float softmax_weights(float* row, int64_t seen) {
+  const int64_t n8 = (seen + 7) & ~int64_t(7);
+  for (int64_t j = seen; j < n8; ++j) row[j] = -INFINITY;
+  v8 top8 = splat(-INFINITY);
+  for (int64_t j = 0; j < n8; j += 8) {
+    const v8 x = *(const v8*)(row + j);
+    top8 = x > top8 ? x : top8;
+  }
+  float top = -INFINITY;
+  for (int i = 0; i < 8; ++i) top = std::max(top, top8[i]);
+  if (top == -INFINITY) return 0.f;
+  v8 total = splat(0.f);
+  for (int64_t j = 0; j < n8; j += 8) {
+    const v8 e = exp8(*(const v8*)(row + j) - splat(top));
+    *(v8*)(row + j) = e;
+    total = total + e;
+  }
+  return lane_sum(total);
+}
+
+// acc[q][u] += sum over j in [j0, j1), in order, of p[q][j] * values[j][d0 + 8u, d0 + 8u + 8): each value vector
+// loaded once for the Q queries.
+template <int Q, int U>
+inline void weighted_block(const float* const* p, const float* const* values, int64_t j0, int64_t j1, int64_t d0,
+                           v8 (*acc)[U]) {
+  for (int64_t j = j0; j < j1; ++j) {
+    v8 w[U];
+    for (int u = 0; u < U; ++u) w[u] = *(const v8*)(values[j] + d0 + 8 * u);
+    for (int q = 0; q < Q; ++q) {
+      const v8 pv = splat(p[q][j]);
+      for (int u = 0; u < U; ++u) acc[q][u] = multiply_add(acc[q][u], pv, w[u]);
+    }
   }
 }
 
-// acc[0, 8U) = sum over j < n, in order, of p[j] * values[j][d0, d0 + 8U): add_scaled's arithmetic with the sums in
-// registers (through memory each FMA waited on the store before it).
-template <int U>
-void weighted_sum(const float* p, const float* const* values, int64_t n, int64_t d0, float* out) {
-  v8 acc[U] = {};
-  for (int64_t j = 0; j < n; ++j) {
-    const v8 pv = splat(p[j]);
-    for (int u = 0; u < U; ++u) acc[u] = multiply_add(acc[u], pv, *(const v8*)(values[j] + d0 + 8 * u));
+// acc[q] += sum over keys j in [j0, j1) that query q sees (j < seen[q]), in order, of p[q][j] * values[j]: those all
+// Q see ([j0, min(j1, common))) together, then each query's own. acc[q] holds D floats; D a multiple of 8U.
+template <int Q, int U>
+void weighted_values(const float* const* p, const float* const* values, const int64_t* seen, int64_t common,
+                     int64_t j0, int64_t j1, int64_t D, float* const* acc) {
+  const int64_t shared = std::min(j1, common);
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * U) {
+    v8 tile[Q][U];
+    for (int q = 0; q < Q; ++q)
+      for (int u = 0; u < U; ++u) tile[q][u] = *(const v8*)(acc[q] + d0 + 8 * u);
+    weighted_block<Q, U>(p, values, j0, shared, d0, tile);
+    for (int q = 0; q < Q; ++q) weighted_block<1, U>(p + q, values, std::max(j0, shared), std::min(j1, seen[q]), d0,
+                                                     tile + q);  // fmt: skip
+    for (int q = 0; q < Q; ++q)
+      for (int u = 0; u < U; ++u) *(v8*)(acc[q] + d0 + 8 * u) = tile[q][u];
   }
-  for (int u = 0; u < U; ++u) *(v8*)(out + 8 * u) = acc[u];
+}
+
+// weighted_values with the widest U (at most 8 / Q vectors per query, 8 accumulators) that divides D / 8.
+template <int Q, int U = 8 / Q>
+void weighted_values_for(const float* const* p, const float* const* values, const int64_t* seen, int64_t common,
+                         int64_t j0, int64_t j1, int64_t D, float* const* acc) {
+  if constexpr (U > 1) {
+    if ((D / 8) % U != 0) return weighted_values_for<Q, U / 2>(p, values, seen, common, j0, j1, D, acc);
+  }
+  weighted_values<Q, U>(p, values, seen, common, j0, j1, D, acc);
 }
 
 struct Shape {
   int64_t B, T, H, D, N, S, Hkv, P;
 };
 
-// The T x G queries of row b that read KV head h, one after another: scores over the keys it may see, the softmax,
-// the weighted values (each query's sums over keys in key order, so the loop order changes no result).
+// Up to kTile live queries of one task and what they need: their rows of scores (then weights) and of sums.
+constexpr int kTile = 16;
+
+struct Group {  // Q consecutive queries of a tile
+  int first, Q;
+  int64_t common;  // keys [0, common) are seen by all Q
+};
+
+// Scores of group g's queries with keys [j0, j1), those all see eight pairs of query and key at a time.
+template <int Q>
+void group_scores(const Group& g, const float* const* queries, const int64_t* seen, const float* const* keys,
+                  int64_t D, float scale, float* const* rows, int64_t j0, int64_t j1) {
+  constexpr int KB = 8 / Q;
+  const int64_t shared = std::min(j1, g.common);
+  int64_t j = j0;
+  for (; j + KB <= shared; j += KB) scores_block<Q>(queries + g.first, keys + j, D, scale, rows + g.first, j);
+  for (int q = g.first; q < g.first + Q; ++q)
+    scores_alone(queries[q], keys, D, scale, rows[q], j, std::min(j1, seen[q]));
+}
+
+// The tile's queries walk the keys in blocks of about 32 KB, every group of the tile taking each block in turn while
+// it is in cache: first the scores, then (after each query's softmax) the weighted values. A query's results do not
+// depend on its group, its tile or the blocks (each score is computed alone, each output sums over keys in order).
+void attend_tile(const Shape& s, int n, const float* const* queries, const int64_t* seen, const float* const* keys,
+                 const float* const* values, float* const* rows, float* const* acc, float* const* out) {
+  const int64_t D = s.D;
+  const float scale = 1.f / std::sqrt(float(D));
+  Group groups[kTile];
+  int n_groups = 0;
+  int64_t n_keys = 0;
+  for (int first = 0; first < n;) {
+    const int Q = n - first >= 4 ? 4 : n - first >= 2 ? 2 : 1;
+    int64_t common = seen[first];
+    for (int q = first; q < first + Q; ++q) common = std::min(common, seen[q]), n_keys = std::max(n_keys, seen[q]);
+    groups[n_groups++] = {first, Q, common};
+    first += Q;
+  }
+  const int64_t block = std::max<int64_t>(8, (32768 / (4 * D)) & ~int64_t(7));
+  for (int64_t j0 = 0; j0 < n_keys; j0 += block)
+    for (int k = 0; k < n_groups; ++k) {
+      const Group& g = groups[k];
+      const int64_t j1 = std::min(j0 + block, n_keys);
+      if (g.Q == 4) group_scores<4>(g, queries, seen, keys, D, scale, rows, j0, j1);
+      else if (g.Q == 2) group_scores<2>(g, queries, seen, keys, D, scale, rows, j0, j1);
+      else group_scores<1>(g, queries, seen, keys, D, scale, rows, j0, j1);
+    }
+  float total[kTile];
+  for (int q = 0; q < n; ++q) {
+    total[q] = softmax_weights(rows[q], seen[q]);
+    std::fill(acc[q], acc[q] + D, 0.f);
+  }
+  if (D % 8 == 0) {
+    for (int64_t j0 = 0; j0 < n_keys; j0 += block)
+      for (int k = 0; k < n_groups; ++k) {
+        const Group& g = groups[k];
+        const float* const* p = rows + g.first;
+        const int64_t j1 = std::min(j0 + block, n_keys);
+        if (g.Q == 4) weighted_values_for<4>(p, values, seen + g.first, g.common, j0, j1, D, acc + g.first);
+        else if (g.Q == 2) weighted_values_for<2>(p, values, seen + g.first, g.common, j0, j1, D, acc + g.first);
+        else weighted_values_for<1>(p, values, seen + g.first, g.common, j0, j1, D, acc + g.first);
+      }
+  } else {
+    for (int q = 0; q < n; ++q)
+      for (int64_t j = 0; j < seen[q]; ++j) add_scaled(acc[q], rows[q][j], values[j], D);
+  }
+  for (int q = 0; q < n; ++q)
+    for (int64_t d = 0; d < D; ++d) out[q][d] = total[q] > 0.f ? acc[q][d] / total[q] : 0.f;
+}
+
+// The T x G queries of row b that read KV head h (G = H / Hkv query heads share a KV head), in tiles of live
+// queries; a padding query's output is 0.
 void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const float* k_pages,
                      const float* v_pages, const int32_t* table, const int32_t* qpos, float* out) {
   const int64_t G = s.H / s.Hkv, M = s.T * G, D = s.D;
-  const float scale = 1.f / std::sqrt(float(D));
   auto query = [&](int64_t i) { return q + ((b * s.T + i / G) * s.H + h * G + i % G) * D; };
   auto output = [&](int64_t i) { return out + ((b * s.T + i / G) * s.H + h * G + i % G) * D; };
-  auto position = [&](int64_t i) { return qpos[b * s.T + i / G]; };
   auto key_row = [&](const float* pages, int64_t j) {
     return pages + ((int64_t(table[b * s.P + j / s.S]) * s.S + j % s.S) * s.Hkv + h) * D;
   };
 
   int64_t n_keys = 0;
   for (int64_t t = 0; t < s.T; ++t) n_keys = std::max<int64_t>(n_keys, qpos[b * s.T + t] + 1);
-  thread_local std::vector<float> scores, acc;        // [n_keys], [D]
+  const int64_t stride = (n_keys + 7) & ~int64_t(7);
+  // Tiles of four queries where the row's keys and values stay in the core's cache (L2) from one tile to the next,
+  // kTile where they do not: in cache, a wider tile only moves its scores out of L1.
+  const int tile = int(std::min<int64_t>(M, n_keys * D * 8 > (1 << 20) ? kTile : 4));
+  thread_local std::vector<float> scores, sums;         // [tile, stride], [tile, D]
   thread_local std::vector<const float*> keys, values;  // [n_keys]: where key j's and value j's rows lie
-  if (scores.size() < size_t(n_keys)) scores.resize(n_keys);
-  if (acc.size() < size_t(D)) acc.resize(D);
+  if (scores.size() < size_t(tile * stride)) scores.resize(tile * stride);
+  if (sums.size() < size_t(tile * D)) sums.resize(tile * D);
   if (keys.size() < size_t(n_keys)) keys.resize(n_keys), values.resize(n_keys);
   for (int64_t j = 0; j < n_keys; ++j) keys[j] = key_row(k_pages, j), values[j] = key_row(v_pages, j);
 
+  float* rows[kTile];
+  float* acc[kTile];
+  for (int k = 0; k < tile; ++k) rows[k] = scores.data() + k * stride, acc[k] = sums.data() + k * D;
+  const float* queries[kTile];
+  float* outs[kTile];
+  int64_t seen[kTile];
+  int n = 0;
   for (int64_t i = 0; i < M; ++i) {
-    const int64_t seen = std::max<int64_t>(position(i) + 1, 0);  // 0 for padding
-    const float* qi = query(i);
-    float* row = scores.data();
-    int64_t j = 0;
-    for (; j + 8 <= seen; j += 8) dot8(qi, keys.data() + j, D, scale, row + j);
-    for (; j < seen; ++j) row[j] = dot(qi, keys[j], D) * scale;
-    float top = -INFINITY;
-    for (j = 0; j < seen; ++j) top = std::max(top, row[j]);
-    float total = 0.f;
-    for (j = 0; j < seen; ++j) total += (row[j] = std::exp(row[j] - top));
-    int64_t d = 0;
-    if (D % 8 == 0) {
-      for (; d + 64 <= D; d += 64) weighted_sum<8>(row, values.data(), seen, d, acc.data() + d);
-      for (; d + 32 <= D; d += 32) weighted_sum<4>(row, values.data(), seen, d, acc.data() + d);
-      for (; d < D; d += 8) weighted_sum<1>(row, values.data(), seen, d, acc.data() + d);
-    } else {
-      std::fill(acc.begin(), acc.begin() + D, 0.f);
-      for (j = 0; j < seen; ++j) add_scaled(acc.data(), row[j], values[j], D);
+    const int64_t position = qpos[b * s.T + i / G];
+    if (position < 0) {
+      std::fill(output(i), output(i) + D, 0.f);
+      continue;
     }
-    float* o = output(i);
-    for (d = 0; d < D; ++d) o[d] = total > 0.f ? acc[d] / total : 0.f;
+    queries[n] = query(i), outs[n] = output(i), seen[n] = position + 1;
+    if (++n == tile) attend_tile(s, n, queries, seen, keys.data(), values.data(), rows, acc, outs), n = 0;
   }
+  if (n > 0) attend_tile(s, n, queries, seen, keys.data(), values.data(), rows, acc, outs);
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,

@@ -1,6 +1,7 @@
-"""Causal attention over the paged KV cache on CPU, as an XLA FFI custom call (cpu_attention.cc): each query
-computed alone in one fixed order, so a token's attention is the same bits whatever the number of tokens its step
-feeds, and each row reads only its own live pages.
+"""Causal attention over the paged KV cache on CPU, as an XLA FFI custom call (cpu_attention.cc): the queries that
+share a KV head (a step's heads and tokens) walk the keys together, each key and value loaded once for up to four
+of them, while each query's result is computed in one fixed order, so a token's attention is the same bits whatever
+the number of tokens its step feeds; each row reads only its own live pages.
 
 Built with the other CPU kernels (`cpu_matmul.build`, `cpu_matmul.available`). `jaxmodel.attention.attend` takes it
 on CPU for decode, verify and prefill steps (`attention.choose_implementation`); the specification it is tested
