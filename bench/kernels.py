@@ -2,6 +2,10 @@
 shapes, then looping device calls of plain decoding on the bundled model at 1 and 16 rows.
 
     gdnspec bench kernels --against f2a04fe --out bench/results/kernels-cpu.json
+    gdnspec bench kernels --against 5fa9cfa --kinds attention --step-model bench/out/qwen35-0.8b-q8_0.gguf
+
+With `--step-model`, one row's model step of that GGUF at `--step-context` positions (its KV pages random, its GDN
+state zero) is timed too, at 1 and 4 tokens: what a decoding step and a verify step cost at a long context.
 
 The other revision's kernel sources (`git show REV:jaxmodel/kernels/...`) are built into a second library with the
 library's flags and registered under other target names (`base_...`). A kernel alone runs in a jitted loop of
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import os
 import statistics
@@ -208,12 +213,49 @@ def model_calls(rows: int, iterations: int):
     return later_iteration
 
 
+def long_context_steps(path: str, context: int):
+    """A model step of one row at `context` positions (KV pages filled with random values, GDN state zero), traced once
+    with each library; returns a function timing one step of T tokens (1: decoding, 4: a verify step) on one of
+    them: (ms, the step's logits)."""
+    from jaxmodel import load_model
+    from jaxmodel.model import forward
+    from jaxmodel.state import Row, pack_batch
+
+    model = load_model(path, load_mtp=False)
+    page = 16
+    pages = list(range(1, 1 + -(-(context + 64) // page)))
+    state = model.new_state(n_pages=len(pages) + 1, n_planes=3, page_size=page)
+    rng = np.random.default_rng(0)
+    state = dataclasses.replace(
+        state, k_pages=tuple(jnp.asarray(rng.standard_normal(k.shape, np.float32)) for k in state.k_pages),
+        v_pages=tuple(jnp.asarray(rng.standard_normal(v.shape, np.float32)) for v in state.v_pages))  # fmt: skip
+    batches = {T: jax.device_put(pack_batch([Row(list(rng.integers(0, model.cfg.n_vocab, T)), context, pages, 1,
+                                                 [-1] * (T - 1) + [2], range(T))]))
+               for T in (1, 4)}  # fmt: skip
+    steps = {}
+    for name, prefix in (("base", BASE), ("this", "")):
+        with targets(prefix):
+            steps[name] = jax.jit(functools.partial(forward, cfg=model.cfg))
+            for batch in batches.values():
+                jax.block_until_ready(steps[name](model.weights, batch=batch, state=state)[0].logits)
+
+    def step(name: str, T: int, repeats: int = 3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out, _ = steps[name](model.weights, batch=batches[T], state=state)
+        jax.block_until_ready(out.logits)
+        return (time.perf_counter() - start) / repeats * 1e3, out.logits
+
+    return step
+
+
 def run(args) -> dict:
     if not cpu_matmul.available():
         raise SystemExit("the CPU kernels are not available here (CPU backend and a C++ compiler needed)")
     with tempfile.TemporaryDirectory() as folder:
         register_base(build_base(args.against, Path(folder)))
-    out = {"against": args.against, "cpu_count": os.cpu_count(), "reps": args.reps, "kernels": [], "model": []}
+    out = {"against": args.against, "cpu_count": os.cpu_count(), "reps": args.reps, "kernels": [], "model": [],
+           "steps": []}  # fmt: skip
     for kind, shape in CASES:
         if args.kinds and kind not in args.kinds.split(","):
             continue
@@ -235,6 +277,20 @@ def run(args) -> dict:
         out["model"].append(cell)
         print(f"plain decoding, {rows} rows: {cell['base']:.3f} -> {cell['this']:.3f} ms a later iteration  "
               f"{cell['ratio']:.2f}x  tokens same {cell['same']}", flush=True)
+    if args.step_model:
+        step = long_context_steps(args.step_model, args.step_context)
+        for T in (1, 4):
+            samples = alternate({name: functools.partial(step, name, T) for name in ("base", "this")},
+                                args.model_rounds)  # fmt: skip
+            cell = {"model": os.path.basename(args.step_model), "context": args.step_context, "tokens": T,
+                    "unit": "ms per step", **compare(samples)}  # fmt: skip
+            out["steps"].append(cell)
+            print(f"{cell['model']}, {T} tokens at {args.step_context} positions: {cell['base']:.1f} -> "
+                  f"{cell['this']:.1f} ms a step  {cell['ratio']:.2f}x", flush=True)
+        for name in ("base", "this"):
+            one, four = (next(c[name] for c in out["steps"] if c["tokens"] == T) for T in (1, 4))
+            out[f"verify_over_decode_{name}"] = four / one
+            print(f"{name}: a 4-token step costs {four / one:.2f}x a one-token step", flush=True)
     return out
 
 
@@ -247,6 +303,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--rows", default="1,16", help="rows of the model's looping calls ('' for none)")
     parser.add_argument("--iterations", type=int, default=32, help="iterations of the longer call")
     parser.add_argument("--model-rounds", type=int, default=16)
+    parser.add_argument("--step-model", default="", help="also time one row's model step (1 and 4 tokens) of this "
+                        "GGUF at --step-context positions")  # fmt: skip
+    parser.add_argument("--step-context", type=int, default=8192)
     parser.add_argument("--out", default=None)
     return run_and_save(run, parser.parse_args(argv))
 
