@@ -53,6 +53,7 @@ def _build_engine(args):
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
         adaptive=not args.fixed_policy, iterations=args.iterations or DEFAULT_ITERATIONS, draft_vocab=args.draft_vocab,
         max_call_seconds=DEFAULT_MAX_CALL_SECONDS if args.max_call_ms is None else args.max_call_ms / 1e3 or None,
+        kv_dtype=args.kv_dtype,
     )  # fmt: skip
     return engine, tokenizer
 
@@ -75,6 +76,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="the MTP head drafts among the token ids below this (default: all)")
     p.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default=None,
                    help="matmul weights (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
+                   help="the target's KV cache: float16 holds twice the positions in the same budget and reads "
+                        "half the bytes at a long context")
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,7 @@ from jaxmodel.kernels import cpu_argmax, cpu_attention, cpu_gdn, cpu_matmul
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = "jaxmodel/assets/gdnspec-stdlib-target-q8_0.gguf"
-TARGET_NAMES = ("TARGET", "TARGET_Q8", "TARGET_ATTENTION", "TARGET_GDN", "TARGET_ARGMAX")
+TARGET_NAMES = ("TARGET", "TARGET_Q8", "TARGET_ATTENTION", "TARGET_ATTENTION_F16", "TARGET_GDN", "TARGET_ARGMAX")
 PATCHED_MODULES = (cpu_matmul, cpu_gdn, cpu_attention, cpu_argmax)
 BASE = "base_"
 
@@ -74,6 +74,8 @@ def register_base(library: Path) -> None:
     loaded = ctypes.cdll.LoadLibrary(str(library))
     for name in TARGET_NAMES:
         target = getattr(cpu_matmul, name)
+        if not hasattr(loaded, target):  # a revision from before the kernel
+            continue
         jax.ffi.register_ffi_target(BASE + target, jax.ffi.pycapsule(getattr(loaded, target)), platform="cpu")
 
 
@@ -215,8 +217,8 @@ def model_calls(rows: int, iterations: int):
 
 def long_context_steps(path: str, context: int):
     """A model step of one row at `context` positions (KV pages filled with random values, GDN state zero), traced once
-    with each library; returns a function timing one step of T tokens (1: decoding, 4: a verify step) on one of
-    them: (ms, the step's logits)."""
+    with each library, and with this tree's over a float16 KV cache of the same values ("this-f16"); returns a
+    function timing one step of T tokens (1: decoding, 4: a verify step) on one of them: (ms, the step's logits)."""
     from jaxmodel import load_model
     from jaxmodel.model import forward
     from jaxmodel.state import Row, pack_batch
@@ -232,17 +234,20 @@ def long_context_steps(path: str, context: int):
     batches = {T: jax.device_put(pack_batch([Row(list(rng.integers(0, model.cfg.n_vocab, T)), context, pages, 1,
                                                  [-1] * (T - 1) + [2], range(T))]))
                for T in (1, 4)}  # fmt: skip
+    states = {"base": state, "this": state, "this-f16": dataclasses.replace(
+        state, k_pages=tuple(k.astype(jnp.float16) for k in state.k_pages),
+        v_pages=tuple(v.astype(jnp.float16) for v in state.v_pages))}  # fmt: skip
     steps = {}
-    for name, prefix in (("base", BASE), ("this", "")):
+    for name, prefix in (("base", BASE), ("this", ""), ("this-f16", "")):
         with targets(prefix):
             steps[name] = jax.jit(functools.partial(forward, cfg=model.cfg))
             for batch in batches.values():
-                jax.block_until_ready(steps[name](model.weights, batch=batch, state=state)[0].logits)
+                jax.block_until_ready(steps[name](model.weights, batch=batch, state=states[name])[0].logits)
 
     def step(name: str, T: int, repeats: int = 3):
         start = time.perf_counter()
         for _ in range(repeats):
-            out, _ = steps[name](model.weights, batch=batches[T], state=state)
+            out, _ = steps[name](model.weights, batch=batches[T], state=states[name])
         jax.block_until_ready(out.logits)
         return (time.perf_counter() - start) / repeats * 1e3, out.logits
 
@@ -280,14 +285,17 @@ def run(args) -> dict:
     if args.step_model:
         step = long_context_steps(args.step_model, args.step_context)
         for T in (1, 4):
-            samples = alternate({name: functools.partial(step, name, T) for name in ("base", "this")},
+            samples = alternate({name: functools.partial(step, name, T) for name in ("base", "this", "this-f16")},
                                 args.model_rounds)  # fmt: skip
+            half = compare({"base": samples["this"], "this": samples["this-f16"]})
             cell = {"model": os.path.basename(args.step_model), "context": args.step_context, "tokens": T,
-                    "unit": "ms per step", **compare(samples)}  # fmt: skip
+                    "unit": "ms per step", **compare(samples), "this-f16": half["this"],
+                    "f16_ratio": half["ratio"], "f16_ratio_range": half["ratio_range"]}  # fmt: skip
             out["steps"].append(cell)
             print(f"{cell['model']}, {T} tokens at {args.step_context} positions: {cell['base']:.1f} -> "
-                  f"{cell['this']:.1f} ms a step  {cell['ratio']:.2f}x", flush=True)
-        for name in ("base", "this"):
+                  f"{cell['this']:.1f} ms a step  {cell['ratio']:.2f}x; float16 KV {cell['this-f16']:.1f} ms "
+                  f"({cell['f16_ratio']:.2f}x float32's)", flush=True)
+        for name in ("base", "this", "this-f16"):
             one, four = (next(c[name] for c in out["steps"] if c["tokens"] == T) for T in (1, 4))
             out[f"verify_over_decode_{name}"] = four / one
             print(f"{name}: a 4-token step costs {four / one:.2f}x a one-token step", flush=True)

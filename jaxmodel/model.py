@@ -176,8 +176,8 @@ class Model:
         return self.weights.mtp is not None
 
     def new_state(self, n_pages: int, n_planes: int, page_size: int = 16, replay_slots: int = 0,
-                  replay_tokens: int = 0) -> ModelState:
-        return init_state(self.cfg, n_pages, n_planes, page_size, replay_slots=replay_slots,
+                  replay_tokens: int = 0, kv_dtype=jnp.float32) -> ModelState:
+        return init_state(self.cfg, n_pages, n_planes, page_size, kv_dtype=kv_dtype, replay_slots=replay_slots,
                           replay_tokens=replay_tokens)
 
     def score(self, token_ids, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:

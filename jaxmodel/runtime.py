@@ -264,7 +264,7 @@ class Runtime:
                  shapes: Shapes | None = None, n_chain_max: int = 0, max_iterations: int = 1,
                  stop_ids: Sequence[int] = (), draft_vocab: int | None = None, replay_tokens: int = 0,
                  replay_slots: int | None = None, rebuild_rows: int | None = None, lookup_drafts: int = 0,
-                 split_chunks: bool | None = None):
+                 split_chunks: bool | None = None, kv_dtype="float32"):
         self.model = model
         self.split_chunks = jax.default_backend() == "cpu" if split_chunks is None else split_chunks
         self.page_size = page_size
@@ -281,7 +281,7 @@ class Runtime:
             replay_slots = shapes.max_rows if shapes is not None else 1
         replay_slots = replay_slots if model.cfg.gdn_layers else 0
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size,
-                                     replay_slots=replay_slots, replay_tokens=replay_tokens)
+                                     replay_slots=replay_slots, replay_tokens=replay_tokens, kv_dtype=kv_dtype)
         if rebuild_rows is None:
             per_row = jax.default_backend() == "cpu" and bytes_per_plane(model.cfg) >= PER_ROW_REBUILD_MIN_BYTES
             rebuild_rows = 1 if per_row else 0

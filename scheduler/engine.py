@@ -105,6 +105,9 @@ def tokens_per_iteration(first: int, results: Sequence[RowResult], n_iterations:
     return (first + later) / n_iterations
 
 
+KV_DTYPES = ("float32", "float16")  # what the target's KV pages may hold (the CPU attention kernel reads both)
+
+
 class Engine:
     """Continuous batching over one target model, its drafters and a memory budget."""
 
@@ -129,6 +132,7 @@ class Engine:
         stop_token_ids: Sequence[int] | None = None,
         draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
         background_warmup: bool = False,
+        kv_dtype: str = "float32",
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
@@ -141,7 +145,12 @@ class Engine:
         as one burst. stop_token_ids: end-of-generation ids (default: the tokenizer's). draft_vocab: the MTP head
         drafts among the token ids below it (None: the whole vocabulary; see `jaxmodel.speculative.iteration`).
         background_warmup: while running and idle, compile the shapes `warmup` would, one at a time, then calibrate
-        (a server then listens at once; requests arriving meanwhile compile what they need first)."""
+        (a server then listens at once; requests arriving meanwhile compile what they need first). kv_dtype: the
+        target's KV pages (the MTP head's included), "float32" or "float16" (half the bytes a page, so twice the
+        positions in the same budget, and half the bytes attention reads at a long context; README, "A float16 KV
+        cache")."""
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
         cfg = model.cfg
         plane_bytes = bytes_per_plane(cfg)
         # Planes for every sequence to snapshot a full draft, but never more than half the budget.
@@ -149,7 +158,7 @@ class Engine:
         replay_tokens = n_max if cfg.gdn_layers else 0  # the replay pool: a full draft for every row of a step
         sizes = pool_sizes(
             budget_bytes,
-            page_bytes=kv_bytes_per_page(cfg, page_size),
+            page_bytes=kv_bytes_per_page(cfg, page_size, kv_dtype),
             plane_bytes=plane_bytes,
             page_size=page_size,
             max_running=max_running,
@@ -176,7 +185,7 @@ class Engine:
                                shapes=shapes, n_chain_max=n_max if model.has_mtp else 0, max_iterations=iterations,
                                stop_ids=self.stop_token_ids, draft_vocab=draft_vocab,
                                replay_tokens=sizes.replay_tokens,
-                               lookup_drafts=LOOKUP_DRAFTS if lookups else 0)  # fmt: skip
+                               lookup_drafts=LOOKUP_DRAFTS if lookups else 0, kv_dtype=kv_dtype)  # fmt: skip
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(

@@ -49,6 +49,23 @@ def test_kernel_matches_reference_at_a_long_context():
 
 
 @needs_kernel
+@pytest.mark.parametrize("H,Hkv,D,start", [(8, 2, 256, 40), (8, 2, 256, 1100), (6, 3, 20, 40)])
+def test_float16_pages_compute_what_float32_pages_of_their_values_do(H, Hkv, D, start):
+    """Each float16 key and value is widened exactly as it is read, so a float16 cache gives the bits a float32 cache
+    holding the same values gives (the two walk the keys in different tiles at 1100 positions: float16's 1 MB
+    comes later), and matches the reference; a head size that is not whole vectors takes the scalar path."""
+    case = random_case(13, starts=[start, 9], n_tokens=[8, 3], T=8, P=72, H=H, Hkv=Hkv, D=D)
+    k16, v16 = case.k_pages.astype(np.float16), case.v_pages.astype(np.float16)
+    half = np.asarray(run(case.q, k16, v16, case.page_table, case.positions, case.valid))
+    widened = np.asarray(run(case.q, k16.astype(np.float32), v16.astype(np.float32), case.page_table,
+                             case.positions, case.valid))  # fmt: skip
+    np.testing.assert_array_equal(half, widened)
+    reference = np.asarray(paged_attention_reference(case.q, k16, v16, case.page_table, case.positions))
+    np.testing.assert_allclose(half[case.valid], reference[case.valid], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(half[~case.valid], 0.0)
+
+
+@needs_kernel
 def test_kernel_reads_only_each_rows_own_live_pages():
     """NaN in every page past each row's last live page (a longer row's range and stale table entries included)."""
     case = random_case(8, starts=[95, 20, 0], n_tokens=[1, 2, 0], T=2, P=32)
@@ -84,9 +101,12 @@ def test_kernel_refuses_positions_past_the_table_and_pages_outside_the_pool():
     table[0, 1] = len(case.k_pages)  # position 20 lives on page 1
     with pytest.raises(Exception, match="a live page-table entry is outside the pool"):
         np.asarray(run(case.q, case.k_pages, case.v_pages, table, case.positions, case.valid))
-    with pytest.raises(ValueError, match="float32 pages"):
+    with pytest.raises(ValueError, match="float32 or float16 pages"):
         paged_attention_cpu(case.q, case.k_pages.astype(np.float16), case.v_pages, case.page_table, case.positions,
                             case.valid)
+    with pytest.raises(ValueError, match="float32 or float16 pages"):
+        paged_attention_cpu(case.q, case.k_pages.astype(jnp.bfloat16), case.v_pages.astype(jnp.bfloat16),
+                            case.page_table, case.positions, case.valid)
 
 
 @needs_kernel

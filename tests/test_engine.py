@@ -228,6 +228,39 @@ def test_several_iterations_per_device_call_are_lossless(target, prompts, refere
     assert steps <= chunks + len(chosen) * -(-(MAX_TOKENS - 1) // ITERATIONS)
 
 
+def test_a_float16_kv_cache_holds_twice_the_pages_and_speculation_stays_lossless(target, prompts):
+    """kv_dtype float16: the same budget gives twice the KV pages (the GDN planes are float32 either way), and in
+    one engine every drafter and rollback mode gives the greedy tokens plain decoding gives with that cache, several
+    sequences at once."""
+    full = Engine(target, **ENGINE)
+    half = engine_of(target, adaptive=False, max_call_seconds=None, kv_dtype="float16")
+    assert half.runtime.state.k_pages[0].dtype == jnp.float16
+    assert half.memory.sizes.n_pages >= 2 * full.memory.sizes.n_pages - 2
+    assert half.memory.sizes.n_planes == full.memory.sizes.n_planes
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        Engine(target, **ENGINE, kv_dtype="bfloat16")
+    chosen = prompts[2:8]  # 17, 33, 5, 21 random tokens and the two n-gram prompts
+    specs = [SpeculativeConfig(("mtp",), n_max=3, rollback="snapshot"), SpeculativeConfig(("ngram",), n_max=4),
+             SpeculativeConfig(("mtp", "ngram"), n_max=3, rollback="replay"),
+             SpeculativeConfig(("mtp",), n_max=2, rollback="checkpoint")]  # fmt: skip
+
+    async def main():
+        async with half:
+            plain = await collect_staggered(half, [(GenerationRequest(p, MAX_TOKENS), 0.0) for p in chosen])
+            jobs = [(GenerationRequest(p, MAX_TOKENS, speculative=specs[i % len(specs)]), 0.01 * (i % 3))
+                    for i, p in enumerate(chosen)]  # fmt: skip
+            speculative = await collect_staggered(half, jobs)
+        return plain, speculative
+
+    plain, speculative = anyio.run(main)
+    drafted = 0
+    for prompt, (want, _, _), (got, done, _) in zip(chosen, plain, speculative, strict=True):
+        assert got == want, prompt
+        assert done.completion_tokens == MAX_TOKENS
+        drafted += sum(stats.drafted for stats in done.drafters.values())
+    assert drafted > 0
+
+
 def test_a_bound_on_call_time_runs_fewer_iterations_per_call(target, prompts, references):
     """With max_call_seconds below any iteration's time, a call runs one iteration once the engine has timed a
     decoding call at that many rows: the first call after the prompt may loop, every later one commits one

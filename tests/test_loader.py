@@ -114,6 +114,19 @@ def test_the_server_refuses_a_corrupt_file_in_one_line(tmp_path):
         main(["serve", "--model", str(path), "--port", "0"])
 
 
+def test_the_kv_dtype_option_reaches_the_engine():
+    """`gdnspec serve --kv-dtype float16` builds an engine whose KV pages are float16; another dtype is refused."""
+    import jax.numpy as jnp
+
+    from api.cli import _build_engine, build_parser
+
+    args = build_parser().parse_args(["serve", "--model", str(TINY), "--kv-dtype", "float16", "--budget-mb", "4"])
+    engine, _ = _build_engine(args)
+    assert engine.runtime.state.k_pages[0].dtype == jnp.float16
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-dtype", "int8"])
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_writer_round_trip(tmp_path, dtype):
     """Export the fixture's weights and load them back: every matmul weight comes back as its rounding to

@@ -1,6 +1,7 @@
 // Causal attention over the paged KV cache on CPU for steps of any length, an XLA FFI custom call:
 //   gdnspec_paged_attention  out[B, T, H, D] from q[B, T, H, D], k/v pages [N, S, Hkv, D], page_table[B, P] and
-//                            qpos[B, T] (a token's position, -1 for padding: its output is 0).
+//                            qpos[B, T] (a token's position, -1 for padding: its output is 0); float32 pages
+//   gdnspec_paged_attention_f16  the same over float16 pages
 //
 // One task per (row b, KV head h) walks the row's own pages up to its last live position, so a row costs its own
 // context whatever the width of the page table, and a padding row costs nothing. The T x G queries of the task
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -38,21 +40,56 @@ using gdnspec::v8;
 
 constexpr int64_t kMinParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
 
-inline float dot(const float* a, const float* b, int64_t D) {
+// Keys and values are float32 or float16 (IEEE half, stored as uint16_t); each is widened to float32 as it is
+// loaded, exactly, so a float16 cache computes what a float32 cache holding the same values would.
+inline v8 load8(const float* p) { return *(const v8*)p; }
+inline float load1(const float* p) { return *p; }
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h >> 15) << 31, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  uint32_t bits;
+  if (exponent == 0x1f) bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  else if (exponent != 0) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  else if (mantissa == 0) bits = sign;
+  else {  // subnormal: normalize
+    int shift = 0;
+    uint32_t m = mantissa;
+    while (!(m & 0x400)) m <<= 1, ++shift;
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float load1(const uint16_t* p) { return half_to_float(*p); }
+inline v8 load8(const uint16_t* p) {
+#ifdef __F16C__
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = half_to_float(p[i]);
+  return out;
+#endif
+}
+
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t D) {
   const int64_t D8 = D & ~int64_t(7);
   v8 acc{};
-  for (int64_t d = 0; d < D8; d += 8) acc = multiply_add(acc, *(const v8*)(a + d), *(const v8*)(b + d));
+  for (int64_t d = 0; d < D8; d += 8) acc = multiply_add(acc, *(const v8*)(a + d), load8(b + d));
   float s = lane_sum(acc);
-  for (int64_t d = D8; d < D; ++d) s += a[d] * b[d];
+  for (int64_t d = D8; d < D; ++d) s += a[d] * load1(b + d);
   return s;
 }
 
 // acc[0, D) += p * v[0, D)
-inline void add_scaled(float* acc, float p, const float* v, int64_t D) {
+template <typename KV>
+inline void add_scaled(float* acc, float p, const KV* v, int64_t D) {
   const int64_t D8 = D & ~int64_t(7);
   const v8 pv = splat(p);
-  for (int64_t d = 0; d < D8; d += 8) *(v8*)(acc + d) = multiply_add(*(v8*)(acc + d), pv, *(const v8*)(v + d));
-  for (int64_t d = D8; d < D; ++d) acc[d] = std::fma(p, v[d], acc[d]);
+  for (int64_t d = 0; d < D8; d += 8) *(v8*)(acc + d) = multiply_add(*(v8*)(acc + d), pv, load8(v + d));
+  for (int64_t d = D8; d < D; ++d) acc[d] = std::fma(p, load1(v + d), acc[d]);
 }
 
 // sums[k] = lane_sum(acc[k]) for eight vectors at once, lane by lane in lane_sum's order, after a transpose (one
@@ -82,8 +119,8 @@ inline void lane_sums8(const v8* acc, float* sums) {
 
 // The scores of Q queries with 8 / Q keys (keys[0, 8 / Q)), written to rows[q][j + k], each exactly as `dot`
 // computes it, then scaled: eight independent chains of FMAs, each key's vector loaded once for the Q queries.
-template <int Q>
-inline void scores_block(const float* const* queries, const float* const* keys, int64_t D, float scale,
+template <int Q, typename KV>
+inline void scores_block(const float* const* queries, const KV* const* keys, int64_t D, float scale,
                          float* const* rows, int64_t j) {
   constexpr int KB = 8 / Q;
   const int64_t D8 = D & ~int64_t(7);
@@ -92,7 +129,7 @@ inline void scores_block(const float* const* queries, const float* const* keys, 
     v8 x[Q];
     for (int q = 0; q < Q; ++q) x[q] = *(const v8*)(queries[q] + d);
     for (int k = 0; k < KB; ++k) {
-      const v8 w = *(const v8*)(keys[k] + d);
+      const v8 w = load8(keys[k] + d);
       for (int q = 0; q < Q; ++q) acc[q * KB + k] = multiply_add(acc[q * KB + k], x[q], w);
     }
   }
@@ -101,13 +138,14 @@ inline void scores_block(const float* const* queries, const float* const* keys, 
   for (int q = 0; q < Q; ++q)
     for (int k = 0; k < KB; ++k) {
       float s = sums[q * KB + k];
-      for (int64_t d = D8; d < D; ++d) s += queries[q][d] * keys[k][d];
+      for (int64_t d = D8; d < D; ++d) s += queries[q][d] * load1(keys[k] + d);
       rows[q][j + k] = s * scale;
     }
 }
 
 // Scores of query `query` with keys [j0, j1), into row[j0, j1).
-inline void scores_alone(const float* query, const float* const* keys, int64_t D, float scale, float* row,
+template <typename KV>
+inline void scores_alone(const float* query, const KV* const* keys, int64_t D, float scale, float* row,
                          int64_t j0, int64_t j1) {
   int64_t j = j0;
   for (; j + 8 <= j1; j += 8) scores_block<1>(&query, keys + j, D, scale, &row, j);
@@ -166,12 +204,12 @@ inline float softmax_weights(float* row, int64_t seen) {
 
 // acc[q][u] += sum over j in [j0, j1), in order, of p[q][j] * values[j][d0 + 8u, d0 + 8u + 8): each value vector
 // loaded once for the Q queries.
-template <int Q, int U>
-inline void weighted_block(const float* const* p, const float* const* values, int64_t j0, int64_t j1, int64_t d0,
+template <int Q, int U, typename KV>
+inline void weighted_block(const float* const* p, const KV* const* values, int64_t j0, int64_t j1, int64_t d0,
                            v8 (*acc)[U]) {
   for (int64_t j = j0; j < j1; ++j) {
     v8 w[U];
-    for (int u = 0; u < U; ++u) w[u] = *(const v8*)(values[j] + d0 + 8 * u);
+    for (int u = 0; u < U; ++u) w[u] = load8(values[j] + d0 + 8 * u);
     for (int q = 0; q < Q; ++q) {
       const v8 pv = splat(p[q][j]);
       for (int u = 0; u < U; ++u) acc[q][u] = multiply_add(acc[q][u], pv, w[u]);
@@ -181,8 +219,8 @@ inline void weighted_block(const float* const* p, const float* const* values, in
 
 // acc[q] += sum over keys j in [j0, j1) that query q sees (j < seen[q]), in order, of p[q][j] * values[j]: those all
 // Q see ([j0, min(j1, common))) together, then each query's own. acc[q] holds D floats; D a multiple of 8U.
-template <int Q, int U>
-void weighted_values(const float* const* p, const float* const* values, const int64_t* seen, int64_t common,
+template <int Q, int U, typename KV>
+void weighted_values(const float* const* p, const KV* const* values, const int64_t* seen, int64_t common,
                      int64_t j0, int64_t j1, int64_t D, float* const* acc) {
   const int64_t shared = std::min(j1, common);
   for (int64_t d0 = 0; d0 < D; d0 += 8 * U) {
@@ -198,11 +236,11 @@ void weighted_values(const float* const* p, const float* const* values, const in
 }
 
 // weighted_values with the widest U (at most 8 / Q vectors per query, 8 accumulators) that divides D / 8.
-template <int Q, int U = 8 / Q>
-void weighted_values_for(const float* const* p, const float* const* values, const int64_t* seen, int64_t common,
+template <int Q, typename KV, int U = 8 / Q>
+void weighted_values_for(const float* const* p, const KV* const* values, const int64_t* seen, int64_t common,
                          int64_t j0, int64_t j1, int64_t D, float* const* acc) {
   if constexpr (U > 1) {
-    if ((D / 8) % U != 0) return weighted_values_for<Q, U / 2>(p, values, seen, common, j0, j1, D, acc);
+    if ((D / 8) % U != 0) return weighted_values_for<Q, KV, U / 2>(p, values, seen, common, j0, j1, D, acc);
   }
   weighted_values<Q, U>(p, values, seen, common, j0, j1, D, acc);
 }
@@ -220,8 +258,8 @@ struct Group {  // Q consecutive queries of a tile
 };
 
 // Scores of group g's queries with keys [j0, j1), those all see eight pairs of query and key at a time.
-template <int Q>
-void group_scores(const Group& g, const float* const* queries, const int64_t* seen, const float* const* keys,
+template <int Q, typename KV>
+void group_scores(const Group& g, const float* const* queries, const int64_t* seen, const KV* const* keys,
                   int64_t D, float scale, float* const* rows, int64_t j0, int64_t j1) {
   constexpr int KB = 8 / Q;
   const int64_t shared = std::min(j1, g.common);
@@ -234,8 +272,9 @@ void group_scores(const Group& g, const float* const* queries, const int64_t* se
 // The tile's queries walk the keys in blocks of about 32 KB, every group of the tile taking each block in turn while
 // it is in cache: first the scores, then (after each query's softmax) the weighted values. A query's results do not
 // depend on its group, its tile or the blocks (each score is computed alone, each output sums over keys in order).
-void attend_tile(const Shape& s, int n, const float* const* queries, const int64_t* seen, const float* const* keys,
-                 const float* const* values, float* const* rows, float* const* acc, float* const* out) {
+template <typename KV>
+void attend_tile(const Shape& s, int n, const float* const* queries, const int64_t* seen, const KV* const* keys,
+                 const KV* const* values, float* const* rows, float* const* acc, float* const* out) {
   const int64_t D = s.D;
   const float scale = 1.f / std::sqrt(float(D));
   Group groups[kTile];
@@ -282,12 +321,13 @@ void attend_tile(const Shape& s, int n, const float* const* queries, const int64
 
 // The T x G queries of row b that read KV head h (G = H / Hkv query heads share a KV head), in tiles of live
 // queries; a padding query's output is 0.
-void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const float* k_pages,
-                     const float* v_pages, const int32_t* table, const int32_t* qpos, float* out) {
+template <typename KV>
+void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const KV* k_pages,
+                     const KV* v_pages, const int32_t* table, const int32_t* qpos, float* out) {
   const int64_t G = s.H / s.Hkv, M = s.T * G, D = s.D;
   auto query = [&](int64_t i) { return q + ((b * s.T + i / G) * s.H + h * G + i % G) * D; };
   auto output = [&](int64_t i) { return out + ((b * s.T + i / G) * s.H + h * G + i % G) * D; };
-  auto key_row = [&](const float* pages, int64_t j) {
+  auto key_row = [&](const KV* pages, int64_t j) {
     return pages + ((int64_t(table[b * s.P + j / s.S]) * s.S + j % s.S) * s.Hkv + h) * D;
   };
 
@@ -296,9 +336,9 @@ void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const
   const int64_t stride = (n_keys + 7) & ~int64_t(7);
   // Tiles of four queries where the row's keys and values stay in the core's cache (L2) from one tile to the next,
   // kTile where they do not: in cache, a wider tile only moves its scores out of L1.
-  const int tile = int(std::min<int64_t>(M, n_keys * D * 8 > (1 << 20) ? kTile : 4));
+  const int tile = int(std::min<int64_t>(M, n_keys * D * 2 * int64_t(sizeof(KV)) > (1 << 20) ? kTile : 4));
   thread_local std::vector<float> scores, sums;         // [tile, stride], [tile, D]
-  thread_local std::vector<const float*> keys, values;  // [n_keys]: where key j's and value j's rows lie
+  thread_local std::vector<const KV*> keys, values;  // [n_keys]: where key j's and value j's rows lie
   if (scores.size() < size_t(tile * stride)) scores.resize(tile * stride);
   if (sums.size() < size_t(tile * D)) sums.resize(tile * D);
   if (keys.size() < size_t(n_keys)) keys.resize(n_keys), values.resize(n_keys);
@@ -323,8 +363,9 @@ void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const
   if (n > 0) attend_tile(s, n, queries, seen, keys.data(), values.data(), rows, acc, outs);
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
-                          ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> qpos,
+template <ffi::DataType PageType, typename KV>
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<PageType> k_pages,
+                          ffi::Buffer<PageType> v_pages, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> qpos,
                           ffi::ResultBuffer<ffi::F32> out) {
   const auto qs = q.dimensions(), ks = k_pages.dimensions(), ts = page_table.dimensions(), ps = qpos.dimensions();
   const auto vs = v_pages.dimensions();
@@ -349,8 +390,8 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     work += n_keys * s.T * s.H * s.D * 2;
   }
   const float* qp = q.typed_data();
-  const float* kp = k_pages.typed_data();
-  const float* vp = v_pages.typed_data();
+  const KV* kp = reinterpret_cast<const KV*>(k_pages.untyped_data());
+  const KV* vp = reinterpret_cast<const KV*>(v_pages.untyped_data());
   float* op = out->typed_data();
   gdnspec::over_chunks(pool, s.B * s.Hkv, work >= kMinParallelWork, [&](int64_t c) {
     attend_row_head(s, c / s.Hkv, c % s.Hkv, qp, kp, vp, table, positions, op);
@@ -360,12 +401,22 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_paged_attention, PagedAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_paged_attention, (PagedAttention<ffi::F32, float>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_paged_attention_f16, (PagedAttention<ffi::F16, uint16_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

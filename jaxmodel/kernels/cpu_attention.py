@@ -13,15 +13,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .cpu_matmul import TARGET_ATTENTION
+from .cpu_matmul import TARGET_ATTENTION, TARGET_ATTENTION_F16
 from .paged_attention import paged_attention_reference
+
+
+# The pages' dtypes the kernel reads; a float16 key or value is widened exactly as it is read.
+PAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
 
 
 def paged_attention_cpu(q, k_pages, v_pages, page_table, positions, valid):
     """Causal attention over the paged KV cache, by the CPU kernel (requires `cpu_matmul.available()`).
 
     q:           [B, T, H, D]     roped queries; query head h uses KV head h // (H / Hkv)
-    k_pages:     [N, S, Hkv, D]   the pool (this step's K/V already written), S = page_size, float32
+    k_pages:     [N, S, Hkv, D]   the pool (this step's K/V already written), S = page_size, float32 or float16
     v_pages:     [N, S, Hkv, D]
     page_table:  [B, P] int32     page of positions [p * S, (p+1) * S); only live pages are read
     positions:   [B, T] int32     each query attends to keys at positions <= its own
@@ -30,15 +34,16 @@ def paged_attention_cpu(q, k_pages, v_pages, page_table, positions, valid):
                  q, position and row's pages only, summed in the same order for every T.
     A position past the page table, or a live table entry outside the pool, fails the call with a message.
     """
-    if k_pages.dtype != jnp.float32 or v_pages.dtype != jnp.float32:
-        raise ValueError(f"paged_attention_cpu takes float32 pages; got {k_pages.dtype}, {v_pages.dtype}")
+    if k_pages.dtype != v_pages.dtype or k_pages.dtype not in PAGE_DTYPES:
+        raise ValueError(f"paged_attention_cpu takes float32 or float16 pages; got {k_pages.dtype}, {v_pages.dtype}")
     return _differentiable(q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), positions, valid)
 
 
 def _call(q, k_pages, v_pages, page_table, positions, valid):
     qpos = jnp.where(valid, positions, -1).astype(jnp.int32)  # [B, T]
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call(TARGET_ATTENTION, out, vmap_method="sequential")(q, k_pages, v_pages, page_table, qpos)
+    target = TARGET_ATTENTION if k_pages.dtype == jnp.float32 else TARGET_ATTENTION_F16
+    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(q, k_pages, v_pages, page_table, qpos)
 
 
 @jax.custom_vjp

@@ -51,6 +51,7 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_v
 TARGET = "gdnspec_rows_matmul"
 TARGET_Q8 = "gdnspec_q8_rows_matmul"
 TARGET_ATTENTION = "gdnspec_paged_attention"
+TARGET_ATTENTION_F16 = "gdnspec_paged_attention_f16"
 TARGET_GDN = "gdnspec_gdn_recurrent"
 TARGET_ARGMAX = "gdnspec_argmax_rows"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
@@ -130,7 +131,7 @@ def available() -> bool:
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
         log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
-    for target in (TARGET, TARGET_Q8, TARGET_ATTENTION, TARGET_GDN, TARGET_ARGMAX):
+    for target in (TARGET, TARGET_Q8, TARGET_ATTENTION, TARGET_ATTENTION_F16, TARGET_GDN, TARGET_ARGMAX):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 
