@@ -25,10 +25,11 @@ from jaxmodel.state import Row, bucket, pack_batch
 from bench import copy_bandwidth, save_json
 
 
-def _prefilled(model, n_seqs: int, context: int, page_size: int = 16, room: int = 64):
+def _prefilled(model, n_seqs: int, context: int, page_size: int = 16, room: int = 64, kv_dtype: str = "float32"):
     """A state holding n_seqs sequences of `context` random tokens, each with pages for `room` more; and the pages."""
     pages_per_seq = bucket(-(-(context + room) // page_size))
-    state = model.new_state(n_pages=1 + n_seqs * pages_per_seq, n_planes=1 + 2 * n_seqs, page_size=page_size)
+    state = model.new_state(n_pages=1 + n_seqs * pages_per_seq, n_planes=1 + 2 * n_seqs, page_size=page_size,
+                            kv_dtype=kv_dtype)  # fmt: skip
     pages = [list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)) for s in range(n_seqs)]
     rng = np.random.default_rng(0)
     rows = [
@@ -39,13 +40,13 @@ def _prefilled(model, n_seqs: int, context: int, page_size: int = 16, room: int 
     return state, pages
 
 
-def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: str | None = None
-               ) -> tuple[float, float, float]:
+def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: str | None = None,
+               kv_dtype: str = "float32") -> tuple[float, float, float]:
     """Seconds per step of n_seqs rows feeding T tokens each (snapshot planes, ping-pong): the host's view
     (packing each batch on the host and reading the logits back every step) and the device's (the same packed
     batch dispatched `steps` times, read back once); and the process's minor page faults per step in the
     host's view. hlo_path: write the compiled step's HLO there."""
-    state, pages = _prefilled(model, n_seqs, context, room=max(64, T))
+    state, pages = _prefilled(model, n_seqs, context, room=max(64, T), kv_dtype=kv_dtype)
     rng = np.random.default_rng(1)
 
     def batch(i):
@@ -89,6 +90,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hlo", default=None, help="write the compiled batch-1 decode step's HLO text here")
+    parser.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"), help="the KV pages")
     parser.add_argument("--weight-dtype", default=None, choices=("float32", "bfloat16"),
                         help="matmul weights (default: the backend's, see jaxmodel/precision.py)")
     args = parser.parse_args(argv)
@@ -106,6 +108,7 @@ def main(argv=None) -> dict:
         "cpu_count": os.cpu_count(),
         "context": args.context,
         "weight_dtype": args.weight_dtype or default_weight_dtype(),
+        "kv_dtype": args.kv_dtype,
         "weight_bytes": weight_bytes,
         "retain_freed_memory": retain_freed_memory(),
         "copy_gb_per_s": copy_bytes_per_s / 1e9,
@@ -114,7 +117,8 @@ def main(argv=None) -> dict:
         "verify": [],
     }
     for b in map(int, args.batches.split(",")):
-        sec, device, faults = time_steps(model, b, 1, args.context, args.steps, args.hlo if b == 1 else None)
+        sec, device, faults = time_steps(model, b, 1, args.context, args.steps, args.hlo if b == 1 else None,
+                                         kv_dtype=args.kv_dtype)  # fmt: skip
         results["decode"].append({"batch": b, "step_ms": sec * 1e3, "device_step_ms": device * 1e3,
                                   "page_faults_per_step": faults,
                                   "tokens_per_s": b / sec, "over_roofline": sec * 1e3 / roofline_ms,
@@ -124,7 +128,7 @@ def main(argv=None) -> dict:
               f"{device * 1e3 / roofline_ms:5.2f}x", flush=True)
     base = base_device = None
     for t in map(int, args.verify_t.split(",")):
-        sec, device, faults = time_steps(model, 1, t, args.context, args.steps)
+        sec, device, faults = time_steps(model, 1, t, args.context, args.steps, kv_dtype=args.kv_dtype)
         base, base_device = base or sec, base_device or device
         results["verify"].append({"T": t, "step_ms": sec * 1e3, "ratio_to_T1": sec / base,
                                   "page_faults_per_step": faults,

@@ -186,6 +186,20 @@ def test_attend_runs_every_implementation(impl):
     check_valid_tokens(attend(*map(jnp.asarray, case.args), impl=impl), case)
 
 
+@pytest.mark.parametrize("impl", attention.IMPLEMENTATIONS)
+def test_every_implementation_reads_float16_pages(impl):
+    """A float16 KV cache (`--kv-dtype float16`): each form widens the pages as it reads them and matches the
+    reference over the same float16 values (the Pallas kernel interpreted off a GPU)."""
+    if impl == "cpu" and not (jax.default_backend() == "cpu" and cpu_matmul.available()):
+        pytest.skip("the CPU kernel needs the CPU backend and g++")
+    case = random_case(10, starts=[30, 0, 70], n_tokens=[2, 0, 3], T=3, P=16)
+    k16, v16 = jnp.asarray(case.k_pages, jnp.float16), jnp.asarray(case.v_pages, jnp.float16)
+    args = (jnp.asarray(case.q), k16, v16, *map(jnp.asarray, case.args[3:]))
+    out = np.asarray(attend(*args, impl=impl))
+    want = np.asarray(paged_attention_reference(*args[:5]))
+    np.testing.assert_allclose(out[case.valid], want[case.valid], atol=1e-5, rtol=1e-5)
+
+
 def test_attend_rejects_unknown_implementations():
     case = random_case(9, starts=[30], n_tokens=[1], T=1, P=4)
     with pytest.raises(ValueError, match="unknown implementation"):
