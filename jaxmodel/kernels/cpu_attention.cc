@@ -63,6 +63,10 @@ inline float half_to_float(uint16_t h) {
 }
 
 inline float load1(const uint16_t* p) { return half_to_float(*p); }
+
+// x in every lane. splat adds x to 0.f, an addition the compiler must keep (it turns -0 into +0), in the innermost
+// loops here; a weight is never -0, and a scale is positive.
+inline v8 broadcast(float x) { return v8{x, x, x, x, x, x, x, x}; }
 inline v8 load8(const uint16_t* p) {
 #ifdef __F16C__
   return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
@@ -92,9 +96,9 @@ inline void add_scaled(float* acc, float p, const KV* v, int64_t D) {
   for (int64_t d = D8; d < D; ++d) acc[d] = std::fma(p, load1(v + d), acc[d]);
 }
 
-// sums[k] = lane_sum(acc[k]) for eight vectors at once, lane by lane in lane_sum's order, after a transpose (one
+// Lane k: lane_sum(acc[k]), for eight vectors at once, lane by lane in lane_sum's order, after a transpose (one
 // vector's sum took seven dependent scalar additions).
-inline void lane_sums8(const v8* acc, float* sums) {
+inline v8 lane_sums8(const v8* acc) {
 #ifdef __AVX__
   __m256 r[8], t[8], u[8];
   for (int k = 0; k < 8; ++k) r[k] = (__m256)acc[k];
@@ -111,20 +115,27 @@ inline void lane_sums8(const v8* acc, float* sums) {
   v8 total = splat(0.f);  // lane k: 0 + lane 0 of acc[k] + lane 1 + ... + lane 7, as lane_sum adds them
   for (int m = 0; m < 4; ++m) total = total + (v8)_mm256_permute2f128_ps(u[m], u[m + 4], 0x20);
   for (int m = 0; m < 4; ++m) total = total + (v8)_mm256_permute2f128_ps(u[m], u[m + 4], 0x31);
-  for (int k = 0; k < 8; ++k) sums[k] = total[k];
+  return total;
 #else
-  for (int k = 0; k < 8; ++k) sums[k] = lane_sum(acc[k]);
+  v8 total;
+  for (int k = 0; k < 8; ++k) total[k] = lane_sum(acc[k]);
+  return total;
 #endif
 }
 
-// The scores of Q queries with 8 / Q keys (keys[0, 8 / Q)), written to rows[q][j + k], each exactly as `dot`
-// computes it, then scaled: eight independent chains of FMAs, each key's vector loaded once for the Q queries.
+// Keys per call of scores_block for Q queries: 8 pairs of query and key for one query, 16 (two transposes whose
+// additions interleave) for more.
+template <int Q>
+constexpr int kKeysPerBlock = Q == 1 ? 8 : 16 / Q;
+
+// The scores of Q queries with kKeysPerBlock<Q> keys, written to rows[q][j + k], each exactly as `dot` computes it,
+// then scaled: independent chains of FMAs, each key's vector loaded once for the Q queries.
 template <int Q, typename KV>
 inline void scores_block(const float* const* queries, const KV* const* keys, int64_t D, float scale,
                          float* const* rows, int64_t j) {
-  constexpr int KB = 8 / Q;
+  constexpr int KB = kKeysPerBlock<Q>, NP = Q * KB;
   const int64_t D8 = D & ~int64_t(7);
-  v8 acc[8] = {};
+  v8 acc[NP] = {};
   for (int64_t d = 0; d < D8; d += 8) {
     v8 x[Q];
     for (int q = 0; q < Q; ++q) x[q] = *(const v8*)(queries[q] + d);
@@ -133,11 +144,22 @@ inline void scores_block(const float* const* queries, const KV* const* keys, int
       for (int q = 0; q < Q; ++q) acc[q * KB + k] = multiply_add(acc[q * KB + k], x[q], w);
     }
   }
-  float sums[8];
-  lane_sums8(acc, sums);
+  v8 sums[NP / 8];
+  for (int k = 0; k < NP; k += 8) sums[k / 8] = lane_sums8(acc + k);
+  if (D8 == D) {  // pairs q * KB + k: whole vectors of one query's scores (KB 8), or halves (KB 4)
+    for (int k = 0; k < NP / 8; ++k) sums[k] = sums[k] * broadcast(scale);
+    for (int q = 0; q < Q; ++q) {
+      if constexpr (KB == 8) {
+        *(v8*)(rows[q] + j) = sums[q];
+      } else {
+        for (int k = 0; k < KB; ++k) rows[q][j + k] = sums[(q * KB + k) / 8][(q * KB + k) % 8];
+      }
+    }
+    return;
+  }
   for (int q = 0; q < Q; ++q)
     for (int k = 0; k < KB; ++k) {
-      float s = sums[q * KB + k];
+      float s = sums[(q * KB + k) / 8][(q * KB + k) % 8];
       for (int64_t d = D8; d < D; ++d) s += queries[q][d] * load1(keys[k] + d);
       rows[q][j + k] = s * scale;
     }
@@ -193,9 +215,10 @@ inline float softmax_weights(float* row, int64_t seen) {
   float top = -INFINITY;
   for (int i = 0; i < 8; ++i) top = std::max(top, top8[i]);
   if (top == -INFINITY) return 0.f;
+  top8 = splat(top);
   v8 total = splat(0.f);
   for (int64_t j = 0; j < n8; j += 8) {
-    const v8 e = exp8(*(const v8*)(row + j) - splat(top));
+    const v8 e = exp8(*(const v8*)(row + j) - top8);
     *(v8*)(row + j) = e;
     total = total + e;
   }
@@ -211,7 +234,7 @@ inline void weighted_block(const float* const* p, const KV* const* values, int64
     v8 w[U];
     for (int u = 0; u < U; ++u) w[u] = load8(values[j] + d0 + 8 * u);
     for (int q = 0; q < Q; ++q) {
-      const v8 pv = splat(p[q][j]);
+      const v8 pv = broadcast(p[q][j]);
       for (int u = 0; u < U; ++u) acc[q][u] = multiply_add(acc[q][u], pv, w[u]);
     }
   }
@@ -261,7 +284,7 @@ struct Group {  // Q consecutive queries of a tile
 template <int Q, typename KV>
 void group_scores(const Group& g, const float* const* queries, const int64_t* seen, const KV* const* keys,
                   int64_t D, float scale, float* const* rows, int64_t j0, int64_t j1) {
-  constexpr int KB = 8 / Q;
+  constexpr int KB = kKeysPerBlock<Q>;
   const int64_t shared = std::min(j1, g.common);
   int64_t j = j0;
   for (; j + KB <= shared; j += KB) scores_block<Q>(queries + g.first, keys + j, D, scale, rows + g.first, j);
@@ -327,9 +350,6 @@ void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const
   const int64_t G = s.H / s.Hkv, M = s.T * G, D = s.D;
   auto query = [&](int64_t i) { return q + ((b * s.T + i / G) * s.H + h * G + i % G) * D; };
   auto output = [&](int64_t i) { return out + ((b * s.T + i / G) * s.H + h * G + i % G) * D; };
-  auto key_row = [&](const KV* pages, int64_t j) {
-    return pages + ((int64_t(table[b * s.P + j / s.S]) * s.S + j % s.S) * s.Hkv + h) * D;
-  };
 
   int64_t n_keys = 0;
   for (int64_t t = 0; t < s.T; ++t) n_keys = std::max<int64_t>(n_keys, qpos[b * s.T + t] + 1);
@@ -342,7 +362,11 @@ void attend_row_head(const Shape& s, int64_t b, int64_t h, const float* q, const
   if (scores.size() < size_t(tile * stride)) scores.resize(tile * stride);
   if (sums.size() < size_t(tile * D)) sums.resize(tile * D);
   if (keys.size() < size_t(n_keys)) keys.resize(n_keys), values.resize(n_keys);
-  for (int64_t j = 0; j < n_keys; ++j) keys[j] = key_row(k_pages, j), values[j] = key_row(v_pages, j);
+  for (int64_t page = 0, j = 0; j < n_keys; ++page) {  // page by page: j / S per key was an eighth of the time
+    const int64_t row0 = (int64_t(table[b * s.P + page]) * s.S * s.Hkv + h) * D, step = s.Hkv * D;
+    for (int64_t slot = 0; slot < s.S && j < n_keys; ++slot, ++j)
+      keys[j] = k_pages + row0 + slot * step, values[j] = v_pages + row0 + slot * step;
+  }
 
   float* rows[kTile];
   float* acc[kTile];
