@@ -280,7 +280,7 @@ struct Group {  // Q consecutive queries of a tile
   int64_t common;  // keys [0, common) are seen by all Q
 };
 
-// Scores of group g's queries with keys [j0, j1), those all see eight pairs of query and key at a time.
+// Scores of group g's queries with keys [j0, j1), those all see in blocks of kKeysPerBlock<Q>.
 template <int Q, typename KV>
 void group_scores(const Group& g, const float* const* queries, const int64_t* seen, const KV* const* keys,
                   int64_t D, float scale, float* const* rows, int64_t j0, int64_t j1) {
