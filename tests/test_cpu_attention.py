@@ -53,9 +53,16 @@ def test_kernel_matches_reference_at_a_long_context():
 def test_float16_pages_compute_what_float32_pages_of_their_values_do(H, Hkv, D, start):
     """Each float16 key and value is widened exactly as it is read, so a float16 cache gives the bits a float32 cache
     holding the same values gives (the two walk the keys in different tiles at 1100 positions: float16's 1 MB
-    comes later), and matches the reference; a head size that is not whole vectors takes the scalar path."""
+    comes later), and matches the reference; a head size that is not whole vectors takes the scalar path, whose
+    tail lanes here hold float16 subnormals and zeros."""
     case = random_case(13, starts=[start, 9], n_tokens=[8, 3], T=8, P=72, H=H, Hkv=Hkv, D=D)
+    if D % 8:
+        case.k_pages[..., -3:] *= 1e-6
+        case.v_pages[..., -3:-1] *= 1e-6
+        case.v_pages[..., -1] = 0.0
     k16, v16 = case.k_pages.astype(np.float16), case.v_pages.astype(np.float16)
+    if D % 8:
+        assert (np.abs(k16[..., -3:]) < np.finfo(np.float16).smallest_normal).mean() > 0.9
     half = np.asarray(run(case.q, k16, v16, case.page_table, case.positions, case.valid))
     widened = np.asarray(run(case.q, k16.astype(np.float32), v16.astype(np.float32), case.page_table,
                              case.positions, case.valid))  # fmt: skip
