@@ -91,13 +91,15 @@ def run(args) -> dict:
     out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
-           "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha, "cells": []}  # fmt: skip
+           "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha,
+           "kv_dtype": args.kv_dtype, "cells": []}  # fmt: skip
 
     async def main():
         engine = Engine(model, tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20),
                         max_running=max(streams), max_model_len=args.max_model_len, n_max=args.n_max,
                         adaptive=not args.fixed_policy, iterations=args.iterations,
-                        draft_vocab=args.draft_vocab, extra_drafters=[synthetic] if synthetic else [])  # fmt: skip
+                        draft_vocab=args.draft_vocab, extra_drafters=[synthetic] if synthetic else [],
+                        kv_dtype=args.kv_dtype)  # fmt: skip
         start = time.perf_counter()
         shapes = engine.warmup()
         out["warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - start}
@@ -177,6 +179,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     workload_arguments(parser, drafters="plain;mtp;ngram;mtp,ngram")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"), help="the target's KV cache")
     parser.add_argument("--budget-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,
