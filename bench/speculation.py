@@ -31,6 +31,7 @@ import jax
 from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
+from jaxmodel.state import KV_DTYPES
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS
@@ -179,7 +180,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     workload_arguments(parser, drafters="plain;mtp;ngram;mtp,ngram")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"), help="the target's KV cache")
+    parser.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES, help="the target's KV cache")
     parser.add_argument("--budget-mb", type=float, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=DEFAULT_ITERATIONS,

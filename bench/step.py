@@ -21,7 +21,7 @@ import numpy as np
 from jaxmodel import load_model
 from jaxmodel.host_memory import retain_freed_memory
 from jaxmodel.precision import default_weight_dtype
-from jaxmodel.state import Row, bucket, pack_batch
+from jaxmodel.state import KV_DTYPES, Row, bucket, pack_batch
 from bench import copy_bandwidth, save_json
 
 
@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hlo", default=None, help="write the compiled batch-1 decode step's HLO text here")
-    parser.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"), help="the KV pages")
+    parser.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES, help="the KV pages")
     parser.add_argument("--weight-dtype", default=None, choices=("float32", "bfloat16"),
                         help="matmul weights (default: the backend's, see jaxmodel/precision.py)")
     args = parser.parse_args(argv)

@@ -72,6 +72,9 @@ class StepOutput:
     hidden: jax.Array  # [B, T, E] post-final-norm hidden state of every token (what MTP consumes)
 
 
+KV_DTYPES = ("float32", "float16")  # what KV pages may hold (the CPU attention kernel reads both)
+
+
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype=jnp.float32) -> int:
     """K and V bytes of one page across all attention layers, the MTP block included."""
     layers = len(cfg.attn_layers) + cfg.n_mtp

@@ -29,7 +29,7 @@ from drafters.base import DraftRequest, Drafter
 from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
 from jaxmodel.model import Model
 from jaxmodel.runtime import RowLoop, RowResult, Runtime, Shapes, StepRow
-from jaxmodel.state import bytes_per_plane, kv_bytes_per_page, replay_bytes_per_token
+from jaxmodel.state import KV_DTYPES, bytes_per_plane, kv_bytes_per_page, replay_bytes_per_token
 
 from .core import Scheduler
 from .memory import MemoryManager, RollbackCosts, pages_for, pool_sizes, replay_plane_wrong
@@ -103,9 +103,6 @@ def tokens_per_iteration(first: int, results: Sequence[RowResult], n_iterations:
     other none; in the third only the first row runs, without drafts: (2 + (4 + 1) + 1) / 3 = 8/3."""
     later = sum(1 + len(it.drafts) for result in results for it in result.more)
     return (first + later) / n_iterations
-
-
-KV_DTYPES = ("float32", "float16")  # what the target's KV pages may hold (the CPU attention kernel reads both)
 
 
 class Engine:

@@ -45,28 +45,18 @@ constexpr int64_t kMinParallelWork = 1 << 15;  // multiply-adds below which one 
 inline v8 load8(const float* p) { return *(const v8*)p; }
 inline float load1(const float* p) { return *p; }
 
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h >> 15) << 31, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-  uint32_t bits;
-  if (exponent == 0x1f) bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
-  else if (exponent != 0) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  else if (mantissa == 0) bits = sign;
-  else {  // subnormal: normalize
-    int shift = 0;
-    uint32_t m = mantissa;
-    while (!(m & 0x400)) m <<= 1, ++shift;
-    bits = sign | ((113 - shift) << 23) | ((m & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
+inline float half_to_float(uint16_t h) {  // as cpu_matmul.cc's round_to_f16 converts the other way
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  _Float16 f;
+  std::memcpy(&f, &h, sizeof f);
+  return float(f);
+#endif
 }
 
 inline float load1(const uint16_t* p) { return half_to_float(*p); }
 
-// x in every lane. splat adds x to 0.f, an addition the compiler must keep (it turns -0 into +0), in the innermost
-// loops here; a weight is never -0, and a scale is positive.
-inline v8 broadcast(float x) { return v8{x, x, x, x, x, x, x, x}; }
 inline v8 load8(const uint16_t* p) {
 #ifdef __F16C__
   return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
@@ -76,6 +66,10 @@ inline v8 load8(const uint16_t* p) {
   return out;
 #endif
 }
+
+// x in every lane. splat adds x to 0.f, an addition the compiler must keep (it turns -0 into +0), in the innermost
+// loops here; a weight is never -0, and a scale is positive.
+inline v8 broadcast(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
 template <typename KV>
 inline float dot(const float* a, const KV* b, int64_t D) {
@@ -423,24 +417,22 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+// q, the K and V pages (float32 or float16), the page table, the positions; out.
+template <ffi::DataType PageType>
+auto paged_attention_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<PageType>>()
+      .template Arg<ffi::Buffer<PageType>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_paged_attention, (PagedAttention<ffi::F32, float>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
+                              paged_attention_binding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_paged_attention_f16, (PagedAttention<ffi::F16, uint16_t>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              paged_attention_binding<ffi::F16>());
