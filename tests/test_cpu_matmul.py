@@ -3,6 +3,8 @@ weights `load_model` stores transposed for it."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,19 @@ from jaxmodel.random_model import PRESETS, random_weights
 from jaxmodel.weights import Transposed, first_columns
 
 needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason="the CPU kernel needs the CPU backend and g++")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or os.environ.get("GDNSPEC_CPU_KERNEL", "1") == "0",
+                    reason="the CPU kernels build for the CPU backend")  # fmt: skip
+def test_the_kernels_build_where_a_compiler_is():
+    """Where a C++ compiler is found, the kernel library builds: a source that does not compile would otherwise only
+    skip the kernel tests (`needs_kernel`) and leave the model on XLA's paths. Fails with the compiler's message."""
+    try:
+        cpu_matmul.cxx()
+    except cpu_matmul.KernelUnavailable:
+        pytest.skip("no C++ compiler here")
+    assert cpu_matmul.build().exists()
+    assert cpu_matmul.available()
 
 
 def _operands(M, K, N, seed=0):
