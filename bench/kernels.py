@@ -39,9 +39,11 @@ from jaxmodel.kernels import cpu_argmax, cpu_attention, cpu_gdn, cpu_matmul
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = "jaxmodel/assets/gdnspec-stdlib-target-q8_0.gguf"
-TARGET_NAMES = ("TARGET", "TARGET_Q8", "TARGET_ATTENTION", "TARGET_ATTENTION_F16", "TARGET_GDN", "TARGET_ARGMAX")
+TARGET_NAMES = ("TARGET", "TARGET_Q8", "TARGET_Q8_PROLOGUE", "TARGET_ATTENTION", "TARGET_ATTENTION_F16", "TARGET_GDN",
+                "TARGET_ARGMAX")
 PATCHED_MODULES = (cpu_matmul, cpu_gdn, cpu_attention, cpu_argmax)
 BASE = "base_"
+missing_in_base: set[str] = set()  # targets the other revision's library lacks (`register_base`)
 
 # (kind, shape): the bundled model's products (output head, FFN up/down, GDN projections), its GDN recurrence and its
 # attention (Hk 2, Hv 4, Dk = Dv 32; H 4, Hkv 2, D 32 over 130 positions), at 1 and 16 rows, 1 and 4 tokens; attention at
@@ -75,18 +77,21 @@ def register_base(library: Path) -> None:
     for name in TARGET_NAMES:
         target = getattr(cpu_matmul, name)
         if not hasattr(loaded, target):  # a revision from before the kernel
+            missing_in_base.add(target)
             continue
         jax.ffi.register_ffi_target(BASE + target, jax.ffi.pycapsule(getattr(loaded, target)), platform="cpu")
 
 
 @contextlib.contextmanager
 def targets(prefix: str):
-    """The kernels' calls traced inside name the targets with `prefix` (BASE: the other revision's library)."""
+    """The kernels' calls traced inside name the targets with `prefix` (BASE: the other revision's library); a
+    target that library lacks is None there (the Q8_0 product's prologues: `linear` then computes them with jnp, as
+    such a revision did)."""
     names = {name: getattr(cpu_matmul, name) for name in TARGET_NAMES}
     for module in PATCHED_MODULES:
         for name, target in names.items():
             if hasattr(module, name):
-                setattr(module, name, prefix + target)
+                setattr(module, name, None if prefix and target in missing_in_base else prefix + target)
     try:
         yield
     finally:

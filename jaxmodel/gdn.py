@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .delta_rule import gated_delta_rule, rebuild_states
-from .layers import l2_norm, linear, project, rms_norm
+from .layers import Prologued, l2_norm, linear, project
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
 
@@ -22,7 +22,7 @@ def _causal_conv(window: jax.Array, w_conv: jax.Array, T: int) -> jax.Array:
 def gdn_mixer(
     w: GatedDeltaNet,
     cfg: ModelConfig,
-    x: jax.Array,  # [B, T, E] normed input
+    x: jax.Array | Prologued,  # [B, T, E] normed input
     valid: jax.Array,  # [B, T] bool
     n_tokens: jax.Array,  # [B]
     conv_pool: jax.Array,  # [N, C, Kc-1]
@@ -40,7 +40,6 @@ def gdn_mixer(
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
     # [B, T, C], [B, T, Hv Dk], [B, T, Hv] x2
     qkv, z, beta, alpha = project(x, (w.qkv, w.gate, w.beta, w.alpha), live=valid)
-    z = z.reshape(B, T, Hv, Dk)
     beta = jnp.where(valid[..., None], jax.nn.sigmoid(beta), 0.0)  # [B, T, Hv]
     g = jnp.where(valid[..., None], jax.nn.softplus(alpha + w.dt_bias) * w.a, 0.0)
     if replay_pool is not None and record_slot is not None:
@@ -69,8 +68,8 @@ def gdn_mixer(
         after = jnp.swapaxes(after, 1, 2).reshape(B * T, -1, Kc - 1)
         conv_pool = scatter_planes(conv_pool, write_planes.reshape(B * T), after)
 
-    o = rms_norm(o, w.norm, cfg.norm_eps) * jax.nn.silu(z)
-    return linear(o.reshape(B, T, Hv * Dk), w.out, live=valid), conv_pool, ssm_pool, replay_pool
+    o = Prologued("gated_rms_norm", o.reshape(B, T, Hv * Dk), w.norm, z, cfg.norm_eps)
+    return linear(o, w.out, live=valid), conv_pool, ssm_pool, replay_pool
 
 
 def gdn_rebuild(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import jax
@@ -11,8 +12,41 @@ import jax.numpy as jnp
 
 from .attention import attend
 from .config import ModelConfig
-from .kernels.cpu_matmul import q8_rows_matmul, rows_matmul
+from .kernels import cpu_matmul
+from .kernels.cpu_matmul import prologue_reference, q8_rows_matmul, q8_rows_matmul_prologue, rows_matmul
 from .weights import Attention, DenseFfn, Fused, MatmulWeight, Q8Rows, Transposed
+
+
+@dataclass(frozen=True)
+class Prologued:
+    """A product's input still to be computed from x by one of the Q8_0 product's prologues (an RMS norm, SwiGLU's
+    gate, the GDN output's gated norm; `cpu_matmul.q8_rows_matmul_prologue`). `linear` hands it to that kernel
+    where the weight is Q8_0 blocks, which computes each live row just before quantizing it, and uses `value()`
+    (jnp) with any other weight. At the bundled model's sizes each norm or gate cost XLA two or three operations
+    that took longer to launch than to run."""
+
+    prologue: str  # "rms_norm" | "swiglu" | "gated_rms_norm"
+    x: jax.Array  # [..., K]; swiglu: [..., 2K], gate then up
+    weight: jax.Array | None = None  # rms_norm: [K]; gated_rms_norm: [G], K a multiple of G
+    gate: jax.Array | None = None  # gated_rms_norm: [..., K]
+    eps: float = 0.0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, n = self.x.shape
+        return (*lead, n // 2 if self.prologue == "swiglu" else n)
+
+    def value(self) -> jax.Array:
+        return prologue_reference(self.prologue, self.x, self.weight, self.gate, self.eps)
+
+
+def rms_normed(x: jax.Array, w: jax.Array, eps: float) -> Prologued:
+    """rms_norm(x, w, eps) as a product's input (`Prologued`)."""
+    return Prologued("rms_norm", x, w, eps=eps)
+
+
+def as_array(x: jax.Array | Prologued) -> jax.Array:
+    return x.value() if isinstance(x, Prologued) else x
 
 
 def as_matmul_input(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -55,8 +89,12 @@ def eigen_dot(x: jax.Array, w: jax.Array, precision: jax.lax.Precision) -> jax.A
                                preferred_element_type=jnp.float32)
 
 
-def linear(x: jax.Array, w: MatmulWeight, bias: jax.Array | None = None, live: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = None,
+           live: jax.Array | None = None) -> jax.Array:
     """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32.
+
+    x `Prologued`: its value, which the Q8_0 kernel computes row by row (`q8_rows_matmul_prologue`), and jnp for
+    other weights (or where the kernel library lacks the prologues: `cpu_matmul.TARGET_Q8_PROLOGUE` None).
 
     live [...] (bool, x's leading shape; optional): which rows are real. The CPU kernels (Q8_0 and transposed
     weights below) skip the others, padding of a step's shape bucket, and return 0 (plus the bias) for them; other
@@ -87,6 +125,15 @@ def linear(x: jax.Array, w: MatmulWeight, bias: jax.Array | None = None, live: j
     0.02-0.05 ms for Eigen's (warm steps under `jax.profiler`; `bench/results/small-weights-cpu.json`), so they
     take the same rule. f16/bf16 weights and other backends take the plain dot (no gain measured, or not measured).
     """
+    if isinstance(x, Prologued):
+        if isinstance(w, Q8Rows) and cpu_matmul.TARGET_Q8_PROLOGUE is not None:
+            lead, m = x.shape[:-1], math.prod(x.shape[:-1])
+            live_rows = None if live is None else jnp.broadcast_to(live, lead).reshape(m)
+            gate = None if x.gate is None else x.gate.reshape(m, -1)
+            y = q8_rows_matmul_prologue(x.prologue, x.x.reshape(m, -1), w.quants, w.scales, live_rows, x.weight,
+                                        gate, x.eps).reshape(*lead, w.shape[1])
+            return y if bias is None else y + bias
+        x = x.value()
     x = as_matmul_input(x, w)
     precision = matmul_precision(w)
     lead, n_in, n_out = x.shape[:-1], w.shape[0], w.shape[1]
@@ -113,7 +160,7 @@ def linear(x: jax.Array, w: MatmulWeight, bias: jax.Array | None = None, live: j
     return y if bias is None else y + bias
 
 
-def project(x: jax.Array, ws: Sequence[MatmulWeight | Fused | None],
+def project(x: jax.Array | Prologued, ws: Sequence[MatmulWeight | Fused | None],
             biases: Sequence[jax.Array | None] | None = None, live: jax.Array | None = None) -> list[jax.Array]:
     """[linear(x, w, b, live) for w, b in zip(ws, biases)] for weights as `weights.fuse_fields` stores them: a
     `Fused` weight stands for itself and the None fields after it, and runs as one product whose output is split."""
@@ -153,8 +200,9 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], axis=-1)
 
 
-def _attention_inputs(w: Attention, cfg: ModelConfig, x: jax.Array, positions: jax.Array, valid: jax.Array):
-    """x [B, T, E] normed, positions and valid [B, T] -> q [B, T, H, D] and its gate [B, T, H, D] (q normed and
+def _attention_inputs(w: Attention, cfg: ModelConfig, x: jax.Array | Prologued, positions: jax.Array,
+                      valid: jax.Array):
+    """x [B, T, E] normed (or its `Prologued` norm), positions and valid [B, T] -> q [B, T, H, D] and its gate [B, T, H, D] (q normed and
     rotated), k, v [B, T, Hkv, D] (k normed and rotated)."""
     B, T, _ = x.shape
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -178,7 +226,7 @@ def _write_pages(k_pages, v_pages, k, v, positions, valid, page_table):
 def paged_attention(
     w: Attention,
     cfg: ModelConfig,
-    x: jax.Array,  # [B, T, E] normed input
+    x: jax.Array | Prologued,  # [B, T, E] normed input
     positions: jax.Array,  # [B, T]
     valid: jax.Array,  # [B, T] bool, False for padding tokens
     page_table: jax.Array,  # [B, P]
@@ -200,8 +248,8 @@ def paged_attention(
 
 
 def write_kv(
-    w: Attention, cfg: ModelConfig, x: jax.Array, positions: jax.Array, valid: jax.Array, page_table: jax.Array,
-    k_pages: jax.Array, v_pages: jax.Array,
+    w: Attention, cfg: ModelConfig, x: jax.Array | Prologued, positions: jax.Array, valid: jax.Array,
+    page_table: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """The K/V `paged_attention` writes for the same inputs (shapes as there), bit for bit, without attending:
     a token's K and V depend on its own input only. Returns the updated pages."""
@@ -209,7 +257,11 @@ def write_kv(
     return _write_pages(k_pages, v_pages, k, v, positions, valid, page_table)
 
 
-def dense_ffn(w: DenseFfn, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+def dense_ffn(w: DenseFfn, x: jax.Array | Prologued, live: jax.Array | None = None) -> jax.Array:
     """SwiGLU: (silu(x Wg) * x Wu) Wd. x [..., E], live [...] (see `linear`) -> [..., E]."""
-    gate, up = project(x, (w.gate, w.up), live=live)
-    return linear(jax.nn.silu(gate) * up, w.down, live=live)
+    if isinstance(w.gate, Fused) and w.up is None and len(w.gate.sizes) == 2:
+        hidden = Prologued("swiglu", linear(x, w.gate.w, live=live))  # gate and up as one product's halves
+    else:
+        gate, up = project(x, (w.gate, w.up), live=live)
+        hidden = jax.nn.silu(gate) * up
+    return linear(hidden, w.down, live=live)

@@ -18,7 +18,7 @@ from .config import ModelConfig
 from .gdn import gdn_mixer, gdn_rebuild
 from .gguf_io import read_gguf, to_device
 from .host_memory import THREAD_HEAP_BYTES, release_freed_memory, retain_freed_memory
-from .layers import linear, paged_attention, rms_norm, write_kv
+from .layers import linear, paged_attention, rms_norm, rms_normed, write_kv
 from .moe import ffn
 from .kernels import cpu_matmul
 from .precision import cast_matmul_weights, default_weight_dtype, transpose_matmul_weights
@@ -62,7 +62,7 @@ def forward(
     attn_index = {layer: i for i, layer in enumerate(cfg.attn_layers)}
     gdn_index = {layer: i for i, layer in enumerate(cfg.gdn_layers)}
     for li, layer in enumerate(weights.layers):
-        h = rms_norm(x, layer.attn_norm, cfg.norm_eps)
+        h = rms_normed(x, layer.attn_norm, cfg.norm_eps)
         if cfg.recurrent[li]:
             j = gdn_index[li]
             y, conv[j], ssm[j], pool = gdn_mixer(
@@ -112,7 +112,7 @@ def _write_hidden(pool: jax.Array, hidden: jax.Array, batch: StepBatch, final_on
 
 def _residual_ffn(layer: Layer, cfg: ModelConfig, x: jax.Array, valid: jax.Array) -> jax.Array:
     """x [B, T, E], valid [B, T] -> [B, T, E]."""
-    return x + ffn(layer.ffn, cfg, rms_norm(x, layer.post_norm, cfg.norm_eps), valid)
+    return x + ffn(layer.ffn, cfg, rms_normed(x, layer.post_norm, cfg.norm_eps), valid)
 
 
 def mtp_forward(
@@ -147,7 +147,7 @@ def _mtp_inputs(mtp: Mtp, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Arr
     e = rms_norm(mtp.embed[batch.tokens].astype(jnp.float32), mtp.enorm, cfg.norm_eps)
     hh = rms_norm(hidden_in, mtp.hnorm, cfg.norm_eps)
     u = linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj, live=valid)
-    return valid, u, rms_norm(u, mtp.layer.attn_norm, cfg.norm_eps)
+    return valid, u, rms_normed(u, mtp.layer.attn_norm, cfg.norm_eps)
 
 
 def mtp_write_kv(weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import ModelConfig
-from .layers import as_matmul_input, dense_ffn, linear, matmul_precision, project
+from .layers import Prologued, as_array, as_matmul_input, dense_ffn, linear, matmul_precision, project
 from .weights import DenseFfn, MoeFfn
 
 GATHER_MAX_TOKENS = 4  # steps with at most this many tokens read each pair's expert on its own
@@ -124,6 +124,7 @@ def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array, live: jax.Array | None = 
     return routed.reshape(*lead, E) + shared_expert(w, x, live)
 
 
-def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
-    """x [..., E], live [...] (padding rows false; see `layers.linear`) -> [..., E]."""
-    return dense_ffn(w, x, live) if isinstance(w, DenseFfn) else moe_ffn(w, cfg, x, live)
+def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array | Prologued, live: jax.Array | None = None) -> jax.Array:
+    """x [..., E] (or a `Prologued` input, which the dense FFN's product computes), live [...] (padding rows false;
+    see `layers.linear`) -> [..., E]."""
+    return dense_ffn(w, x, live) if isinstance(w, DenseFfn) else moe_ffn(w, cfg, as_array(x), live)

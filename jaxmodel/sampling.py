@@ -126,10 +126,14 @@ def verify(
     drafts and then the target's token; later entries are -1.
     """
     if draft_probs is None:  # all-greedy batches skip the random draws over [B, R, V] (most of verify's cost)
+        # The branches take the logits as [B * R, V]: handed in as [B, R, V], XLA gave the operand a layout of its
+        # own (the size-1 R of decoding placed outermost) and copied all of it back before the argmax kernel.
+        B, R, V = target_logits.shape
+        flat = target_logits.reshape(B * R, V)
         return jax.lax.cond(
             jnp.all(params.temperature <= 0),
-            lambda: _accept(greedy_tokens(target_logits.astype(jnp.float32)), draft_tokens, n_drafts),
-            lambda: _verify(target_logits, draft_tokens, None, n_drafts, params, positions),
+            lambda: _accept(greedy_tokens(flat.astype(jnp.float32)).reshape(B, R), draft_tokens, n_drafts),
+            lambda: _verify(flat.reshape(B, R, V), draft_tokens, None, n_drafts, params, positions),
         )
     return _verify(target_logits, draft_tokens, draft_probs, n_drafts, params, positions)
 

@@ -33,6 +33,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using gdnspec::exp8;
 using gdnspec::lane_sum;
 using gdnspec::multiply_add;
 using gdnspec::splat;
@@ -166,34 +167,6 @@ inline void scores_alone(const float* query, const KV* const* keys, int64_t D, f
   int64_t j = j0;
   for (; j + 8 <= j1; j += 8) scores_block<1>(&query, keys + j, D, scale, &row, j);
   for (; j < j1; ++j) row[j] = dot(query, keys[j], D) * scale;
-}
-
-// exp(x) for eight lanes: Cephes' expf (x = n ln 2 + r, a degree-7 polynomial in r, scaled by 2^n), within 2 ulp
-// of expf; 0 below -87.33 (where expf turns subnormal) and for -inf; exp(0) is exactly 1. The same arithmetic on
-// every lane and in every step, so a score's weight does not depend on where it is computed.
-inline v8 exp8(v8 x) {
-  const v8 log2e = splat(1.44269504088896341f), c1 = splat(0.693359375f), c2 = splat(-2.12194440e-4f);
-  x = x > splat(88.3762626647949f) ? splat(88.3762626647949f) : x;
-  v8 fx = x * log2e + splat(0.5f);
-#ifdef __AVX2__
-  fx = (v8)_mm256_floor_ps((__m256)fx);
-#else
-  for (int i = 0; i < 8; ++i) fx[i] = std::floor(fx[i]);
-#endif
-  v8 r = x - fx * c1;
-  r = r - fx * c2;
-  v8 y = splat(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = y * r + splat(c);
-  y = y * (r * r) + r + splat(1.f);
-  v8 scaled;
-#ifdef __AVX2__
-  const __m256i n = _mm256_cvttps_epi32((__m256)fx);
-  scaled = y * (v8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
-#else
-  for (int i = 0; i < 8; ++i) scaled[i] = std::ldexp(y[i], int(fx[i]));
-#endif
-  return x < splat(-87.3365447504019f) ? splat(0.f) : scaled;
 }
 
 // row[0, seen) <- exp(row[j] - max over the row), returning their sum: eight lanes summed across the keys in order,

@@ -2,7 +2,10 @@
 //   gdnspec_rows_matmul     out[M, N] = x[M, K] @ w[N, K]^T, float32 weights (below);
 //   gdnspec_q8_rows_matmul  the same with Q8_0 weights, with llama.cpp's Q8_0 arithmetic (x quantized to 8 bits,
 //                           exact integer products per block), eight rows' quants interleaved four bytes at a time
-//                           (further below, "Q8_0").
+//                           (further below, "Q8_0");
+//   gdnspec_q8_rows_matmul_prologue  the Q8_0 product of x after a prologue each row of x goes through before it is
+//                           quantized: an RMS norm, SwiGLU's gate, or the GDN output's gated norm (at the end,
+//                           "Prologues").
 // Both take live [M] (int32): rows where it is 0 are padding (a batch's empty rows, the tokens past a row's own in
 // a padded step) and are not computed; their output is 0. A step padded to its shape bucket then costs its tokens.
 //
@@ -23,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -35,6 +39,8 @@ namespace {
 
 using gdnspec::lane_sum;
 using gdnspec::multiply_add;
+using gdnspec::silu8;
+using gdnspec::splat;
 using gdnspec::v8;
 
 constexpr int kRowBlock = 4;                    // rows of x per pass over the weights
@@ -386,28 +392,35 @@ void q8_columns(const int8_t* xq, const float* xd, const int32_t* xo, const int8
   }
 }
 
-ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wq,
-                        ffi::Buffer<ffi::F32> wd, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
-  const auto xs = x.dimensions(), qs = wq.dimensions(), ds = wd.dimensions();
-  if (xs.size() != 2 || qs.size() != 2 || ds.size() != 2)
-    return ffi::Error::InvalidArgument("q8_rows_matmul: x, quants and scales must be 2-D");
-  const int64_t M = xs[0], K = xs[1], N = qs[0];
-  if (qs[1] != K || K % kQ8Block != 0 || ds[0] != N || ds[1] != K / kQ8Block)
-    return ffi::Error::InvalidArgument(
-        "q8_rows_matmul: x is [M, K], quants [N, K] and scales [N, K / 32], with K a multiple of 32");
-  if (live.element_count() != M) return ffi::Error::InvalidArgument("q8_rows_matmul: live is [M]");
+constexpr int64_t kMinParallelInput = 1 << 13;  // x's elements times cost_per_element below which one thread
+                                                // prepares the input (a prologue's silu costs about 4)
+
+// The product of the live rows of x, each row's input written by input(m, buffer) (a pointer to K floats: x's row
+// itself, or `buffer` after a prologue); rows are prepared and quantized on the pool's threads where
+// L * K * cost_per_element reaches kMinParallelInput.
+template <typename Input>
+ffi::Error q8_product(ffi::ThreadPool& pool, const int32_t* live, int64_t M, int64_t K, const int8_t* wqp,
+                      const float* wdp, int64_t N, float* out, int64_t cost_per_element, const Input& input) {
   // The live rows of x quantized, in buffers kept by the calling thread like the rows themselves (LiveRows).
   thread_local LiveRows rows;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd;
   thread_local std::vector<int32_t> xo;  // x_block_offsets (VNNI)
-  rows.find(live.typed_data(), M, out->typed_data(), N);
+  rows.find(live, M, out, N);
   const int64_t L = rows.count(), nb = K / kQ8Block;
   if (L == 0) return ffi::Error::Success();
   if (xq.size() < size_t(L * K)) xq.resize(L * K);
   if (xd.size() < size_t(L * nb)) xd.resize(L * nb);
-  for (int64_t i = 0; i < L; ++i)
-    quantize_rows_q8_0(x.typed_data() + rows.index[i] * K, 1, K, xq.data() + i * K, xd.data() + i * nb);
+  {
+    const int64_t* index = rows.index.data();
+    int8_t* q = xq.data();
+    float* d = xd.data();
+    gdnspec::over_chunks(pool, L, L * K * cost_per_element >= kMinParallelInput, [=, &input](int64_t i) {
+      thread_local std::vector<float> buffer;  // this thread's prologue output
+      if (buffer.size() < size_t(K)) buffer.resize(K);
+      quantize_rows_q8_0(input(index[i], buffer.data()), 1, K, q + i * K, d + i * nb);
+    });
+  }
 #if GDNSPEC_VNNI
   if (xo.size() < size_t(L * nb)) xo.resize(L * nb);
   x_block_offsets(xq.data(), L * nb, xo.data());
@@ -415,12 +428,122 @@ ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const int32_t* xop = xo.data();
   const int8_t* xqp = xq.data();
   const float* xdp = xd.data();
-  const int8_t* wqp = wq.typed_data();
-  const float* wdp = wd.typed_data();
   float* const* op = rows.out.data();
   over_columns(pool, N, L * N * K, kQ8MinParallelWork,
                [=](int64_t n0, int64_t n1) { q8_columns(xqp, xdp, xop, wqp, wdp, op, L, K, N, n0, n1); });
   return ffi::Error::Success();
+}
+
+ffi::Error q8_shapes(const char* name, ffi::Span<const int64_t> qs, ffi::Span<const int64_t> ds, int64_t K) {
+  if (qs.size() != 2 || ds.size() != 2 || qs[1] != K || K % kQ8Block != 0 || ds[0] != qs[0] ||
+      ds[1] != K / kQ8Block)
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": quants are [N, K] and scales [N, K / 32], with K a multiple of 32 (x's "
+                                       "K, or half of it for swiglu)");
+  return ffi::Error::Success();
+}
+
+ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wq,
+                        ffi::Buffer<ffi::F32> wd, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xs = x.dimensions();
+  if (xs.size() != 2) return ffi::Error::InvalidArgument("q8_rows_matmul: x must be [M, K]");
+  const int64_t M = xs[0], K = xs[1];
+  if (auto error = q8_shapes("q8_rows_matmul", wq.dimensions(), wd.dimensions(), K); error.failure()) return error;
+  if (live.element_count() != M) return ffi::Error::InvalidArgument("q8_rows_matmul: live is [M]");
+  const float* xp = x.typed_data();
+  return q8_product(pool, live.typed_data(), M, K, wq.typed_data(), wd.typed_data(), wq.dimensions()[0],
+                    out->typed_data(), 1, [=](int64_t m, float*) { return xp + m * K; });
+}
+
+// ---------------------------------------------------------------------------------------------- Prologues
+//
+// What a product's input still needs, done to each live row of x just before it is quantized, so that a norm or a
+// gate costs no XLA operations of its own (at the bundled model's sizes each was two or three operations costing
+// more to launch than to run):
+//   kRmsNorm       x [M, K], weight [K]:              y = x / sqrt(mean(x^2) + eps) * weight
+//   kSwiglu        x [M, 2K] (gate | up):             y = silu(gate) * up
+//   kGatedRmsNorm  x [M, K], weight [G], gate [M, K]: per group of G columns,
+//                                                     y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)
+// A row's y depends on that row alone, computed in one fixed order (the sum of squares in eight lanes over the
+// columns in order, the lanes added in order, then the tail; silu by exp8 in every lane and tail), so a token's
+// product is the same bits in any step and batch. The jnp forms (`layers.RmsNormed` and its siblings) compute the
+// same values to within rounding.
+
+enum Prologue : int32_t { kRmsNorm = 1, kSwiglu = 2, kGatedRmsNorm = 3 };
+
+// 1 / sqrt(mean(x[0, n)^2) + eps).
+float inverse_rms(const float* x, int64_t n, float eps) {
+  const int64_t n8 = n & ~int64_t(7);
+  v8 acc{};
+  for (int64_t k = 0; k < n8; k += 8) {
+    const v8 v = *(const v8*)(x + k);
+    acc = multiply_add(acc, v, v);
+  }
+  float sum = lane_sum(acc);
+  for (int64_t k = n8; k < n; ++k) sum += x[k] * x[k];
+  return 1.f / std::sqrt(sum / float(n) + eps);
+}
+
+// y[0, n) = x * scale * weight (* silu(gate) where gate is given).
+void scaled_row(const float* x, float scale, const float* weight, const float* gate, int64_t n, float* y) {
+  const int64_t n8 = n & ~int64_t(7);
+  const v8 s = splat(scale);
+  for (int64_t k = 0; k < n8; k += 8) {
+    v8 v = *(const v8*)(x + k) * s * *(const v8*)(weight + k);
+    if (gate) v = v * silu8(*(const v8*)(gate + k));
+    *(v8*)(y + k) = v;
+  }
+  for (int64_t k = n8; k < n; ++k) {
+    float v = x[k] * scale * weight[k];
+    if (gate) v = v * silu8(splat(gate[k]))[0];
+    y[k] = v;
+  }
+}
+
+ffi::Error Q8RowsMatmulPrologue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wq,
+                                ffi::Buffer<ffi::F32> wd, ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> weight,
+                                ffi::Buffer<ffi::F32> gate, ffi::ResultBuffer<ffi::F32> out, int32_t prologue,
+                                float eps) {
+  const auto xs = x.dimensions();
+  if (xs.size() != 2) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: x must be 2-D");
+  const int64_t M = xs[0], K = prologue == kSwiglu ? xs[1] / 2 : xs[1], G = weight.element_count();
+  if (auto error = q8_shapes("q8_rows_matmul_prologue", wq.dimensions(), wd.dimensions(), K); error.failure())
+    return error;
+  if (live.element_count() != M) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: live is [M]");
+  const float *xp = x.typed_data(), *wp = weight.typed_data(), *zp = gate.typed_data();
+  const int8_t* wqp = wq.typed_data();
+  const float* wdp = wd.typed_data();
+  const int64_t N = wq.dimensions()[0];
+  float* op = out->typed_data();
+  switch (prologue) {
+    case kRmsNorm:
+      if (G != K) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: rms_norm's weight is [K]");
+      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 1, [=](int64_t m, float* y) {
+        const float* row = xp + m * K;
+        scaled_row(row, inverse_rms(row, K, eps), wp, nullptr, K, y);
+        return y;
+      });
+    case kSwiglu:
+      if (xs[1] != 2 * K) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: swiglu's x is [M, 2K]");
+      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 4, [=](int64_t m, float* y) {
+        const float *g = xp + m * 2 * K, *u = g + K;
+        const int64_t K8 = K & ~int64_t(7);
+        for (int64_t k = 0; k < K8; k += 8) *(v8*)(y + k) = silu8(*(const v8*)(g + k)) * *(const v8*)(u + k);
+        for (int64_t k = K8; k < K; ++k) y[k] = silu8(splat(g[k]))[0] * u[k];
+        return y;
+      });
+    case kGatedRmsNorm:
+      if (G < 1 || K % G != 0 || gate.element_count() != M * K)
+        return ffi::Error::InvalidArgument(
+            "q8_rows_matmul_prologue: the gated norm's weight is [G] with K a multiple of G, its gate [M, K]");
+      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 4, [=](int64_t m, float* y) {
+        for (int64_t g0 = m * K; g0 < (m + 1) * K; g0 += G)
+          scaled_row(xp + g0, inverse_rms(xp + g0, G, eps), wp, zp + g0, G, y + g0 - m * K);
+        return y;
+      });
+    default:
+      return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: unknown prologue " + std::to_string(prologue));
+  }
 }
 
 }  // namespace
@@ -441,3 +564,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul, Q8RowsMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul_prologue, Q8RowsMatmulPrologue,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weight (rms_norm, gated_rms_norm)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate (gated_rms_norm)
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));

@@ -50,6 +50,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vector.h"))
 TARGET = "gdnspec_rows_matmul"
 TARGET_Q8 = "gdnspec_q8_rows_matmul"
+TARGET_Q8_PROLOGUE = "gdnspec_q8_rows_matmul_prologue"
 TARGET_ATTENTION = "gdnspec_paged_attention"
 TARGET_ATTENTION_F16 = "gdnspec_paged_attention_f16"
 TARGET_GDN = "gdnspec_gdn_recurrent"
@@ -131,7 +132,8 @@ def available() -> bool:
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
         log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
-    for target in (TARGET, TARGET_Q8, TARGET_ATTENTION, TARGET_ATTENTION_F16, TARGET_GDN, TARGET_ARGMAX):
+    for target in (TARGET, TARGET_Q8, TARGET_Q8_PROLOGUE, TARGET_ATTENTION, TARGET_ATTENTION_F16, TARGET_GDN,
+                   TARGET_ARGMAX):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 
@@ -183,6 +185,54 @@ def q8_rows_matmul(x: jax.Array, quants: jax.Array, scales: jax.Array, live: jax
                          f"{scales.dtype}{scales.shape}")
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)
     return jax.ffi.ffi_call(TARGET_Q8, out, vmap_method="sequential")(x, quants, scales, _live_rows(live, M))
+
+
+# The prologues of `q8_rows_matmul_prologue` (cpu_matmul.cc, "Prologues"), by the kernel's numbers.
+PROLOGUES = {"rms_norm": 1, "swiglu": 2, "gated_rms_norm": 3}
+
+
+def q8_rows_matmul_prologue(prologue: str, x: jax.Array, quants: jax.Array, scales: jax.Array,
+                            live: jax.Array | None = None, weight: jax.Array | None = None,
+                            gate: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+    """`q8_rows_matmul` of x after a prologue each live row goes through in the kernel, just before it is quantized
+    (requires `available()`); `prologue_reference` is its specification:
+      "rms_norm"        x [M, K], weight [K]:              x / sqrt(mean(x^2) + eps) * weight
+      "swiglu"          x [M, 2K] (gate | up):             silu(gate) * up
+      "gated_rms_norm"  x [M, K], weight [G], gate [M, K]: per group of G columns (K a multiple of G),
+                                                           x / sqrt(mean(x^2) + eps) * weight * silu(gate)
+    quants [N, K], scales [N, K/32] -> [M, N]; row m depends on row m of x (and of gate) only."""
+    M = x.shape[0]
+    K = x.shape[1] // 2 if prologue == "swiglu" else x.shape[1]
+    if prologue not in PROLOGUES:
+        raise ValueError(f"unknown prologue {prologue!r}; one of {sorted(PROLOGUES)}")
+    if x.ndim != 2 or x.dtype != jnp.float32 or quants.shape[1] != K or K % Q8_BLOCK:
+        raise ValueError(f"q8_rows_matmul_prologue({prologue!r}) takes float32 x [M, {'2K' if prologue == 'swiglu' else 'K'}]"
+                         f" and quants [N, K], K a multiple of 32; got {x.dtype}{x.shape}, {quants.shape}")
+    if (weight is None) != (prologue == "swiglu") or (gate is None) != (prologue != "gated_rms_norm"):
+        raise ValueError(f"{prologue!r} takes {'no weight' if prologue == 'swiglu' else 'a weight'} and "
+                         f"{'a gate' if prologue == 'gated_rms_norm' else 'no gate'}")
+    nothing = jnp.zeros((1,), jnp.float32)
+    weight = nothing if weight is None else weight.astype(jnp.float32)
+    gate = nothing if gate is None else gate.astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((M, quants.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_Q8_PROLOGUE, out, vmap_method="sequential")(
+        x, quants, scales, _live_rows(live, M), weight, gate, prologue=np.int32(PROLOGUES[prologue]),
+        eps=np.float32(eps))  # fmt: skip
+
+
+def prologue_reference(prologue: str, x: jax.Array, weight: jax.Array | None = None, gate: jax.Array | None = None,
+                       eps: float = 0.0) -> jax.Array:
+    """What `q8_rows_matmul_prologue` feeds its product, in jnp: x [..., K] (swiglu: [..., 2K]) -> [..., K]."""
+    if prologue == "swiglu":
+        g, u = jnp.split(x, 2, axis=-1)
+        return jax.nn.silu(g) * u
+    shape = x.shape
+    if prologue == "gated_rms_norm":
+        x = x.reshape(*shape[:-1], -1, weight.shape[0])
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+    if prologue == "gated_rms_norm":
+        y = y.reshape(shape) * jax.nn.silu(gate)
+    return y
 
 
 def _regroup_q8_rows(quants, scales, to_kernel: bool):
