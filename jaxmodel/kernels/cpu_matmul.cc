@@ -392,8 +392,8 @@ void q8_columns(const int8_t* xq, const float* xd, const int32_t* xo, const int8
   }
 }
 
-constexpr int64_t kMinParallelInput = 1 << 13;  // x's elements times cost_per_element below which one thread
-                                                // prepares the input (a prologue's silu costs about 4)
+constexpr int64_t kMinParallelInput = 1 << 15;  // x's elements times cost_per_element below which one thread
+                                                // prepares the input (quantizing alone costs 1, a silu about 8)
 
 // The product of the live rows of x, each row's input written by input(m, buffer) (a pointer to K floats: x's row
 // itself, or `buffer` after a prologue); rows are prepared and quantized on the pool's threads where
@@ -518,14 +518,14 @@ ffi::Error Q8RowsMatmulPrologue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
   switch (prologue) {
     case kRmsNorm:
       if (G != K) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: rms_norm's weight is [K]");
-      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 1, [=](int64_t m, float* y) {
+      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 2, [=](int64_t m, float* y) {
         const float* row = xp + m * K;
         scaled_row(row, inverse_rms(row, K, eps), wp, nullptr, K, y);
         return y;
       });
     case kSwiglu:
       if (xs[1] != 2 * K) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: swiglu's x is [M, 2K]");
-      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 4, [=](int64_t m, float* y) {
+      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 8, [=](int64_t m, float* y) {
         const float *g = xp + m * 2 * K, *u = g + K;
         const int64_t K8 = K & ~int64_t(7);
         for (int64_t k = 0; k < K8; k += 8) *(v8*)(y + k) = silu8(*(const v8*)(g + k)) * *(const v8*)(u + k);
@@ -536,7 +536,7 @@ ffi::Error Q8RowsMatmulPrologue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
       if (G < 1 || K % G != 0 || gate.element_count() != M * K)
         return ffi::Error::InvalidArgument(
             "q8_rows_matmul_prologue: the gated norm's weight is [G] with K a multiple of G, its gate [M, K]");
-      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 4, [=](int64_t m, float* y) {
+      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 8, [=](int64_t m, float* y) {
         for (int64_t g0 = m * K; g0 < (m + 1) * K; g0 += G)
           scaled_row(xp + g0, inverse_rms(xp + g0, G, eps), wp, zp + g0, G, y + g0 - m * K);
         return y;
