@@ -44,8 +44,7 @@ class Sampling:
 class RowLoop:
     """Lets a row run further iterations in the same device call (see `jaxmodel.speculative.LoopInputs`): each
     feeds the bonus token and up to n_draft MTP drafts, writing into `planes` (the row's read plane first, then
-    its write planes in order) minus the live one, or, where it feeds no draft, into the live plane itself; at most
-    `budget` tokens are committed in all. replay: the
+    its write planes in order) minus the live one; at most `budget` tokens are committed in all. replay: the
     iterations roll back by replay (two planes; n_draft at most the runtime's replay pool), else by snapshot;
     optimistic: they replay optimistically (see `StepRow`). lookup: the drafts come from an n-gram lookup on
     device over the row's last `LOOKUP_HISTORY` tokens and what the call commits (`jaxmodel.ngram_lookup`), at most

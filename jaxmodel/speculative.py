@@ -276,8 +276,8 @@ class LoopInputs:
     live plane and writes the state after each fed token into `planes` minus the live one, in order; after a
     accepted drafts the a-th of those becomes live. A `replay` row owns two planes: it writes the state after the
     bonus (after its last draft when `optimistic`) into the other one, records GDN inputs in its replay slot, and
-    that plane, rebuilt after verification where wrong (`ReplayInputs`), becomes live. An iteration in which a row
-    feeds no draft advances its live plane in place, in either mode. The host's scheduler replays the same rules.
+    that plane, rebuilt after verification where wrong (`ReplayInputs`), becomes live. The host's scheduler replays
+    the same rules.
     """
 
     loops: jax.Array  # [B] bool
@@ -454,10 +454,6 @@ def speculative_step(
             tokens = jnp.concatenate([bonus[:, None], offered[:, : width - 1]], axis=1)
             tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, width]
             write_pool = _next_write_planes(loop.planes, live)[:, :W]
-            # A row feeding no draft commits its one token whatever happens, so its state advances in its live plane
-            # (as `Scheduler._continue` expects): reading one plane and writing another, a 16-row GDN step of the
-            # bundled model took 1.5x the time, each call's states missing the cache the other plane filled.
-            write_pool = write_pool.at[:, 0].set(jnp.where(n_fed == 0, live, write_pool[:, 0]))
             writes = jnp.where(active[:, None] & (index <= n_fed[:, None]), write_pool[:, :width], -1)
             after_last_draft = jnp.where(index == n_fed[:, None], write_pool[:, :1], -1)
             writes = jnp.where((active & loop.replay & loop.optimistic)[:, None], after_last_draft, writes)

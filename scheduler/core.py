@@ -296,9 +296,7 @@ class Scheduler:
             if seq.request.seq_id not in self._seqs:  # finished by the iteration before
                 return events
             n_drafts = len(iteration.drafts)
-            # Without drafts the device advances the live plane in place (`speculative_step`).
-            others = tuple(p for p in planes if p != seq.live_plane)
-            pool = others[: len(row.write_pool)] if n_drafts else (seq.live_plane,)
+            pool = tuple(p for p in planes if p != seq.live_plane)[: len(row.write_pool)]
             self._advance(seq, mode, start=len(seq.tokens) - 1, n_fed=1, write_pool=pool, n_drafts=n_drafts,
                           n_accepted=iteration.committed.n_accepted,
                           drafter=(iteration.drafter or row.drafter or UNNAMED_DRAFTER) if n_drafts else None)

@@ -137,9 +137,8 @@ def test_a_looping_calls_deferred_catch_up_writes_what_a_chain_reads(target, bes
     for i in range(n_rows if beside == "lookup" else 1):
         tokens = prompts[i] + results[i].committed + [t for later in results[i].more for t in later.committed]
         live = planes[i][1]  # the planes rule of `speculative.LoopInputs`: after a accepted drafts, the a-th of the
-        for later in results[i].more:  # row's planes other than the live one becomes live; without drafts, the same
-            if later.drafts:
-                live = [plane for plane in planes[i] if plane != live][later.n_accepted]
+        for later in results[i].more:  # row's planes other than the live one becomes live
+            live = [plane for plane in planes[i] if plane != live][later.n_accepted]
         others = [plane for plane in planes[i] if plane != live]
         result = runtime.step([StepRow(Row(tokens[-1:], len(tokens) - 1, pages[i], live, others[:1], [0]),
                                        n_chain=3)])[0]  # fmt: skip

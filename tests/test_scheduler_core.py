@@ -594,24 +594,6 @@ def test_later_iterations_drafting_on_device_are_counted_under_a_name(drafter):
     assert done.finish_reason == "length" and dict(done.drafters) == {drafter or UNNAMED_DRAFTER: DraftStats(2, 2)}
 
 
-@pytest.mark.parametrize("drafted", [False, True])
-def test_a_later_iteration_without_drafts_keeps_its_live_plane(drafted):
-    """The device advances a row that feeds no draft in its live plane (`speculative_step`), so the scheduler
-    keeps that plane live; an iteration whose drafts were accepted moves it, as a step does, to the plane written
-    after the last accepted one."""
-    sched = make_scheduler()
-    sched.add(Request("a", (1, 2), max_tokens=20, speculative=spec(2, "snapshot")))
-    sched.update(sched.schedule(), {"a": Committed((5,), 0)})
-    plan = sched.schedule()
-    [row] = plan.rows
-    later = Continued((7, 8), Committed((7, 8, 9), 2), "mtp") if drafted else Continued((), Committed((7,), 0), "mtp")
-    sched.update(plan, {"a": Committed((6,), 0)}, {"a": [later]})
-    live = row.write_pool[0]  # after the step's own token
-    others = [plane for plane in (row.read_plane, *row.write_pool) if plane != live]
-    [next_row] = sched.schedule().rows
-    assert next_row.read_plane == (others[2] if drafted else live)
-
-
 def test_a_steps_iterations_reach_the_stream_as_one_tokens_event():
     """A row's later iterations in one step are one burst: one tokens event holding every token in order, with
     the accepted drafts summed (events are what the engine hands to the streams, one by one)."""
