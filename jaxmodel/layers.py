@@ -202,8 +202,8 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def _attention_inputs(w: Attention, cfg: ModelConfig, x: jax.Array | Prologued, positions: jax.Array,
                       valid: jax.Array):
-    """x [B, T, E] normed (or its `Prologued` norm), positions and valid [B, T] -> q [B, T, H, D] and its gate [B, T, H, D] (q normed and
-    rotated), k, v [B, T, Hkv, D] (k normed and rotated)."""
+    """x [B, T, E] normed (or its `Prologued` norm), positions and valid [B, T] -> q [B, T, H, D] and its gate
+    [B, T, H, D] (q normed and rotated), k, v [B, T, Hkv, D] (k normed and rotated)."""
     B, T, _ = x.shape
     H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
     qg, k, v = project(x, (w.q, w.k, w.v), (w.q_bias, w.k_bias, w.v_bias), live=valid)

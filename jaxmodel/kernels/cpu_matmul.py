@@ -206,8 +206,9 @@ def q8_rows_matmul_prologue(prologue: str, x: jax.Array, quants: jax.Array, scal
     if prologue not in PROLOGUES:
         raise ValueError(f"unknown prologue {prologue!r}; one of {sorted(PROLOGUES)}")
     if x.ndim != 2 or x.dtype != jnp.float32 or quants.shape[1] != K or K % Q8_BLOCK:
-        raise ValueError(f"q8_rows_matmul_prologue({prologue!r}) takes float32 x [M, {'2K' if prologue == 'swiglu' else 'K'}]"
-                         f" and quants [N, K], K a multiple of 32; got {x.dtype}{x.shape}, {quants.shape}")
+        width = "2K" if prologue == "swiglu" else "K"
+        raise ValueError(f"q8_rows_matmul_prologue({prologue!r}) takes float32 x [M, {width}] and quants [N, K], K a "
+                         f"multiple of 32; got {x.dtype}{x.shape}, {quants.shape}")
     if (weight is None) != (prologue == "swiglu") or (gate is None) != (prologue != "gated_rms_norm"):
         raise ValueError(f"{prologue!r} takes {'no weight' if prologue == 'swiglu' else 'a weight'} and "
                          f"{'a gate' if prologue == 'gated_rms_norm' else 'no gate'}")
