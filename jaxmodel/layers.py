@@ -46,6 +46,7 @@ def rms_normed(x: jax.Array, w: jax.Array, eps: float) -> Prologued:
 
 
 def as_array(x: jax.Array | Prologued) -> jax.Array:
+    """x itself, or a `Prologued` input's value, for a consumer other than a product (the MoE router)."""
     return x.value() if isinstance(x, Prologued) else x
 
 

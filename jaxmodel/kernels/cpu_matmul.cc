@@ -556,22 +556,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_rows_matmul, RowsMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul, Q8RowsMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+namespace {
+
+// x, quants, scales and live: what both Q8_0 targets take first.
+auto q8_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S8>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();  // live
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul, Q8RowsMatmul, q8_binding().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul_prologue, Q8RowsMatmulPrologue,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
+                              q8_binding()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weight (rms_norm, gated_rms_norm)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate (gated_rms_norm)
                                   .Ret<ffi::Buffer<ffi::F32>>()
