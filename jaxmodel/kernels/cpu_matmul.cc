@@ -466,8 +466,8 @@ ffi::Error Q8RowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 //                                                     y = x / sqrt(mean(x^2) + eps) * weight * silu(gate)
 // A row's y depends on that row alone, computed in one fixed order (the sum of squares in eight lanes over the
 // columns in order, the lanes added in order, then the tail; silu by exp8 in every lane and tail), so a token's
-// product is the same bits in any step and batch. The jnp forms (`layers.RmsNormed` and its siblings) compute the
-// same values to within rounding.
+// product is the same bits in any step and batch. Their jnp form (`prologue_reference` in cpu_matmul.py) computes
+// the same values to within rounding.
 
 enum Prologue : int32_t { kRmsNorm = 1, kSwiglu = 2, kGatedRmsNorm = 3 };
 
@@ -546,18 +546,6 @@ ffi::Error Q8RowsMatmulPrologue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
   }
 }
 
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_rows_matmul, RowsMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-namespace {
-
 // x, quants, scales and live: what both Q8_0 targets take first.
 auto q8_binding() {
   return ffi::Ffi::Bind()
@@ -569,6 +557,14 @@ auto q8_binding() {
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_rows_matmul, RowsMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul, Q8RowsMatmul, q8_binding().Ret<ffi::Buffer<ffi::F32>>());
 

@@ -201,12 +201,11 @@ def q8_rows_matmul_prologue(prologue: str, x: jax.Array, quants: jax.Array, scal
       "gated_rms_norm"  x [M, K], weight [G], gate [M, K]: per group of G columns (K a multiple of G),
                                                            x / sqrt(mean(x^2) + eps) * weight * silu(gate)
     quants [N, K], scales [N, K/32] -> [M, N]; row m depends on row m of x (and of gate) only."""
-    M = x.shape[0]
-    K = x.shape[1] // 2 if prologue == "swiglu" else x.shape[1]
     if prologue not in PROLOGUES:
         raise ValueError(f"unknown prologue {prologue!r}; one of {sorted(PROLOGUES)}")
+    width = "2K" if prologue == "swiglu" else "K"
+    K = x.shape[-1] // 2 if prologue == "swiglu" else x.shape[-1]
     if x.ndim != 2 or x.dtype != jnp.float32 or quants.shape[1] != K or K % Q8_BLOCK:
-        width = "2K" if prologue == "swiglu" else "K"
         raise ValueError(f"q8_rows_matmul_prologue({prologue!r}) takes float32 x [M, {width}] and quants [N, K], K a "
                          f"multiple of 32; got {x.dtype}{x.shape}, {quants.shape}")
     if (weight is None) != (prologue == "swiglu") or (gate is None) != (prologue != "gated_rms_norm"):
@@ -215,6 +214,7 @@ def q8_rows_matmul_prologue(prologue: str, x: jax.Array, quants: jax.Array, scal
     nothing = jnp.zeros((1,), jnp.float32)
     weight = nothing if weight is None else weight.astype(jnp.float32)
     gate = nothing if gate is None else gate.astype(jnp.float32)
+    M = x.shape[0]
     out = jax.ShapeDtypeStruct((M, quants.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_Q8_PROLOGUE, out, vmap_method="sequential")(
         x, quants, scales, _live_rows(live, M), weight, gate, prologue=np.int32(PROLOGUES[prologue]),
@@ -223,17 +223,17 @@ def q8_rows_matmul_prologue(prologue: str, x: jax.Array, quants: jax.Array, scal
 
 def prologue_reference(prologue: str, x: jax.Array, weight: jax.Array | None = None, gate: jax.Array | None = None,
                        eps: float = 0.0) -> jax.Array:
-    """What `q8_rows_matmul_prologue` feeds its product, in jnp: x [..., K] (swiglu: [..., 2K]) -> [..., K]."""
+    """What `q8_rows_matmul_prologue` feeds its product, in jnp: x [..., K] (swiglu: [..., 2K]) -> [..., K]. The
+    model's own `layers.rms_norm`, so that other weights multiply what they did before the prologues."""
+    from jaxmodel.layers import rms_norm
+
     if prologue == "swiglu":
         g, u = jnp.split(x, 2, axis=-1)
         return jax.nn.silu(g) * u
-    shape = x.shape
-    if prologue == "gated_rms_norm":
-        x = x.reshape(*shape[:-1], -1, weight.shape[0])
-    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
-    if prologue == "gated_rms_norm":
-        y = y.reshape(shape) * jax.nn.silu(gate)
-    return y
+    if prologue == "rms_norm":
+        return rms_norm(x, weight, eps)
+    groups = x.reshape(*x.shape[:-1], -1, weight.shape[0])
+    return rms_norm(groups, weight, eps).reshape(x.shape) * jax.nn.silu(gate)
 
 
 def _regroup_q8_rows(quants, scales, to_kernel: bool):
