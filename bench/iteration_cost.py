@@ -8,6 +8,7 @@ so a shared machine's drift falls on all alike; the figures are medians over rou
 against plain greedy decoding. Writes JSON.
 
     gdnspec bench iteration-cost --rounds 7 --out bench/results/iteration-cost-cpu.json
+    gdnspec bench iteration-cost --n-draft 1 --kinds plain,lookup,mtp   # verify 2 tokens, chain one draft
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from .prompts import load_prompt_set
 from .speculation import model_arguments
 
 KINDS = ("plain", "catch-up", "lookup", "lookup-catch-up", "mtp")
-N_DRAFT = 3
 PAGE_SIZE = 16
 
 
@@ -47,13 +47,15 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 def run(args) -> dict:
     model = load_model(args.model)
     prompt = list(load_tokenizer(args.model).encode(load_prompt_set(args.prompts)[args.prompt]))
-    K = args.iterations
-    n_reference = K * (N_DRAFT + 1) + 8
+    K, n_draft = args.iterations, args.n_draft
+    if n_draft < 1:
+        raise SystemExit(f"--n-draft must be at least 1; got {n_draft}")
+    n_reference = K * (n_draft + 1) + 8
     reference = greedy_reference(model, prompt, n_reference)
-    n_pages = -(-(len(prompt) + n_reference + N_DRAFT + 1) // PAGE_SIZE)
-    runtime = Runtime(model, n_pages=n_pages + 2, n_planes=8, page_size=PAGE_SIZE, max_iterations=K,
-                      n_chain_max=N_DRAFT, lookup_drafts=N_DRAFT,
-                      shapes=Shapes(max_rows=1, max_tokens=16, max_logit_rows=N_DRAFT + 1, pages_per_row=n_pages))  # fmt: skip
+    n_pages = -(-(len(prompt) + n_reference + n_draft + 1) // PAGE_SIZE)
+    runtime = Runtime(model, n_pages=n_pages + 2, n_planes=n_draft + 5, page_size=PAGE_SIZE, max_iterations=K,
+                      n_chain_max=n_draft, lookup_drafts=n_draft,
+                      shapes=Shapes(max_rows=1, max_tokens=16, max_logit_rows=n_draft + 1, pages_per_row=n_pages))  # fmt: skip
     pages = list(range(1, n_pages + 1))
     kinds = [k for k in args.kinds.split(",") if k]
     if unknown := set(kinds) - set(KINDS):
@@ -64,20 +66,20 @@ def run(args) -> dict:
     def call(kind: str, iterations: int) -> tuple[float, list[int], int]:
         mtp = kind == "mtp"
         # The MTP chain asked for (-1: the head left alone, 0: it only catches up).
-        head = {"mtp": N_DRAFT, "catch-up": 0, "lookup-catch-up": 0}.get(kind, -1)
+        head = {"mtp": n_draft, "catch-up": 0, "lookup-catch-up": 0}.get(kind, -1)
         prefill = StepRow(Row(prompt, 0, pages, 0, [-1] * (len(prompt) - 1) + [1], [len(prompt) - 1]),
                           n_chain=head)  # fmt: skip
         first = runtime.step([prefill])[0]
         drafts = first.next_drafts if mtp else []
-        planes = (1, 2, 3, 4, 5)
+        planes = tuple(range(1, n_draft + 3))  # the read plane and one per token verified
         if kind in ("plain", "catch-up"):
             loop = RowLoop(0, planes, budget=10**6)
         elif kind == "mtp":
-            loop = RowLoop(N_DRAFT, planes, budget=10**6)
+            loop = RowLoop(n_draft, planes, budget=10**6)
         else:  # the continuation follows the prompt's last tokens earlier in the history: every draft matches
             history = prompt[-6:] + reference + [7] + prompt + first.committed
-            loop = RowLoop(N_DRAFT, planes, budget=10**6, lookup=(2, 8), history=history)
-        row = StepRow(Row([first.committed[0]] + drafts, len(prompt), pages, 1, [2, 3, 4, 5][: 1 + len(drafts)],
+            loop = RowLoop(n_draft, planes, budget=10**6, lookup=(2, 8), history=history)
+        row = StepRow(Row([first.committed[0]] + drafts, len(prompt), pages, 1, list(range(2, 3 + len(drafts))),
                           list(range(1 + len(drafts)))), drafts=drafts, loop=loop,
                       n_chain=head)  # fmt: skip
         start = time.perf_counter()
@@ -98,7 +100,8 @@ def run(args) -> dict:
             samples[kind].append(((many - one) / (ran - 1), many, (len(tokens) - 1) / ran))
     out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-           "prompt_tokens": len(prompt), "iterations": K, "rounds": args.rounds, "kinds": {}}  # fmt: skip
+           "prompt_tokens": len(prompt), "iterations": K, "n_draft": n_draft, "rounds": args.rounds,
+           "kinds": {}}  # fmt: skip
     plain = statistics.median(s[0] for s in samples["plain"]) if "plain" in samples else None
     for kind, rows in samples.items():
         per_iteration = statistics.median(r[0] for r in rows)
@@ -123,6 +126,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt", type=int, default=0, help="which prompt of the set")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     parser.add_argument("--iterations", type=int, default=32, help="iterations of the longer call")
+    parser.add_argument("--n-draft", type=int, default=3, help="drafts a verifying iteration feeds (lookup, mtp)")
     parser.add_argument("--rounds", type=int, default=7)
     return run_and_save(run, parser.parse_args(argv))
 
