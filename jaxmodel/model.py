@@ -38,8 +38,10 @@ class Record:
 
 
 def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array, n_tokens: jax.Array) -> jax.Array:
-    """hidden [B, T, E], rows [B, R], head [E, V], n_tokens [B] -> logits [B, R, V] (0 for rows of no tokens)."""
-    return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head, live=(n_tokens > 0)[:, None])
+    """hidden [B, T, E], rows [B, R], head [E, V], n_tokens [B] -> logits [B, R, V]. A logit row at a token past
+    its row's n_tokens is padding (a later iteration feeding fewer drafts than its width): the CPU kernels skip
+    it and return 0 there (`linear`'s live)."""
+    return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head, live=rows < n_tokens[:, None])
 
 
 def forward(

@@ -61,6 +61,27 @@ def test_a_tokens_state_and_hidden_do_not_depend_on_its_steps_length(model):
             np.testing.assert_array_equal(got, want, err_msg=f"{name}, steps of {T} tokens against steps of 1")
 
 
+def test_logit_rows_past_a_rows_tokens_are_padding_the_head_skips(model):
+    """A later iteration feeding fewer drafts than its width asks for logits at tokens past the row's own: the
+    output head's product skips those rows (they come back 0), and the real rows' logits are the bits they are
+    when nothing is padded."""
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, model.cfg.n_vocab, 6)]
+    pages = [1]
+
+    def logits(n_fed: int, rows: list[int]):
+        state = model.new_state(n_pages=2, n_planes=2 + 8, page_size=PAGE_SIZE)
+        batch = pack_batch([Row(tokens[:n_fed], 0, pages, 0, [2 + i for i in range(n_fed)], rows)], T=8, R=4)
+        batch = dataclasses.replace(batch, logit_rows=jnp.asarray([rows + [0] * (4 - len(rows))], jnp.int32))
+        out, _ = model.step(model.weights, batch=batch, state=state)
+        return np.asarray(out.logits[0])
+
+    real = logits(2, [0, 1])
+    padded = logits(2, [0, 1, 2, 3])  # a width of 4 feeding 2 tokens
+    np.testing.assert_array_equal(padded[:2], real[:2])
+    np.testing.assert_array_equal(padded[2:], 0.0)
+    assert np.all(np.abs(logits(4, [0, 1, 2, 3])[2:]) > 0)  # the same rows live when the row has their tokens
+
+
 def test_replays_rebuilt_state_is_the_state_decoding_computes(model):
     """Replay rollback (docs/design.md "Rollback") rebuilds a row's state from the inputs a verify step recorded:
     for every number of kept tokens (none included), its GDN state and conv planes are the bits that decoding one
