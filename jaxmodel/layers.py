@@ -126,10 +126,11 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     0.02-0.05 ms for Eigen's (warm steps under `jax.profiler`; `bench/results/small-weights-cpu.json`), so they
     take the same rule. f16/bf16 weights and other backends take the plain dot (no gain measured, or not measured).
     """
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    live_rows = None if live is None else jnp.broadcast_to(live, lead).reshape(m)
     if isinstance(x, Prologued):
         if isinstance(w, Q8Rows) and cpu_matmul.TARGET_Q8_PROLOGUE is not None:
-            lead, m = x.shape[:-1], math.prod(x.shape[:-1])
-            live_rows = None if live is None else jnp.broadcast_to(live, lead).reshape(m)
             gate = None if x.gate is None else x.gate.reshape(m, -1)
             y = q8_rows_matmul_prologue(x.prologue, x.x.reshape(m, -1), w.quants, w.scales, live_rows, x.weight,
                                         gate, x.eps).reshape(*lead, w.shape[1])
@@ -137,9 +138,7 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
         x = x.value()
     x = as_matmul_input(x, w)
     precision = matmul_precision(w)
-    lead, n_in, n_out = x.shape[:-1], w.shape[0], w.shape[1]
-    m = math.prod(lead)
-    live_rows = None if live is None else jnp.broadcast_to(live, lead).reshape(m)
+    n_in, n_out = w.shape[0], w.shape[1]
     if isinstance(w, Q8Rows):
         form = "q8_0"
     elif isinstance(w, Transposed):
