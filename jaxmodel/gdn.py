@@ -8,13 +8,30 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .delta_rule import gated_delta_rule, rebuild_states
+from .kernels import cpu_matmul
+from .kernels.cpu_conv import causal_conv_cpu
 from .layers import Prologued, l2_norm, linear, project
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
 
 
-def _causal_conv(window: jax.Array, w_conv: jax.Array, T: int) -> jax.Array:
-    """silu of the causal depthwise conv: window [B, C, Kc-1+T] (oldest first), w_conv [C, Kc] -> [B, T, C]."""
+def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array) -> jax.Array:
+    """silu of the causal depthwise conv over each row's window [prev | x].
+
+    prev:   [B, C, Kc-1]  a conv plane: the row's Kc-1 earlier raw inputs, oldest first
+    x:      [B, T, C]     this step's raw inputs
+    w_conv: [C, Kc]       taps, oldest first
+    returns [B, T, C]
+
+    On CPU a step of more than one token takes the kernel (`kernels.cpu_conv`): XLA's form is a batched dot there,
+    with copies around it, and sums one row of two tokens in another order. At one token XLA fuses it into a
+    multiply-and-reduce, cheaper than the call, that sums as the kernel does: one FMA per tap from the oldest. So
+    a token's conv is the same bits in a step of any length (tests/test_cpu_conv.py, tests/test_step_invariance.py).
+    """
+    T = x.shape[1]
+    if T > 1 and jax.default_backend() == "cpu" and cpu_matmul.available():
+        return causal_conv_cpu(jnp.swapaxes(prev, 1, 2), x, w_conv)
+    window = jnp.concatenate([prev, jnp.swapaxes(x, 1, 2)], axis=2)  # [B, C, Kc-1+T]
     taps = jnp.stack([window[:, :, j : j + T] for j in range(w_conv.shape[1])], axis=-1)  # [B, C, T, Kc]
     return jax.nn.silu(jnp.einsum("bctk,ck->btc", taps, w_conv))
 
@@ -49,8 +66,9 @@ def gdn_mixer(
         replay_pool = scatter_planes(replay_pool, record_slot, records)
 
     # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first.
-    window = jnp.concatenate([read_planes(conv_pool, read_plane), jnp.swapaxes(qkv, 1, 2)], axis=2)  # [B, C, Kc-1+T]
-    conv = _causal_conv(window, w.conv, T)  # [B, T, C]
+    prev = read_planes(conv_pool, read_plane)  # [B, C, Kc-1]
+    conv = causal_conv(prev, qkv, w.conv)  # [B, T, C]
+    window = jnp.concatenate([prev, jnp.swapaxes(qkv, 1, 2)], axis=2)  # [B, C, Kc-1+T]
 
     q = l2_norm(conv[..., : Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
     k = l2_norm(conv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
@@ -87,8 +105,8 @@ def gdn_rebuild(
     recorded tokens of slot[b], in every GDN layer, and write it to `target`: the conv over the recorded raw
     inputs gives k and v again (the projections are not recomputed), then the delta rule, with g = beta = 0 past
     n_keep (which leaves the state alone), advances each state token by token as decoding does
-    (`delta_rule.rebuild_states`), so the rebuilt state is the bits decoding would have written. The conv runs for
-    all layers as one batch of L x B rows. Returns both pools of every layer."""
+    (`delta_rule.rebuild_states`), so the rebuilt state is the bits decoding would have written. The conv runs
+    layer by layer, as the forward computes it. Returns both pools of every layer."""
     L, B = len(ws), target.shape[0]
     n = replay_pools[0].shape[1]
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
@@ -98,10 +116,10 @@ def gdn_rebuild(
     keep = (jnp.arange(n)[None, :] < n_keep[:, None])[None, ..., None]  # [1, B, n, 1]
     g = jnp.where(keep, records[..., C : C + Hv], 0.0)  # [L, B, n, Hv]
     beta = jnp.where(keep, records[..., C + Hv :], 0.0)
-    window = jnp.concatenate([jnp.stack([read_planes(pool, source) for pool in conv_pools]),
-                              jnp.swapaxes(records[..., :C], 2, 3)], axis=3)  # [L, B, C, Kc-1+n]
-    taps = jnp.stack([window[:, :, Hk * Dk :, j : j + n] for j in range(Kc)], axis=-1)  # k, v channels only
-    kv = jax.nn.silu(jnp.einsum("lbctk,lck->lbtc", taps, jnp.stack([w.conv[Hk * Dk :] for w in ws])))
+    prev = [read_planes(pool, source) for pool in conv_pools]  # L x [B, C, Kc-1]
+    kv = jnp.stack([causal_conv(p[:, Hk * Dk :], records[j, ..., Hk * Dk : C], w.conv[Hk * Dk :])
+                    for j, (p, w) in enumerate(zip(prev, ws, strict=True))])  # [L, B, n, C - Hk Dk]: k, v channels
+    window = jnp.concatenate([jnp.stack(prev), jnp.swapaxes(records[..., :C], 2, 3)], axis=3)  # [L, B, C, Kc-1+n]
     k = l2_norm(kv[..., : Hk * Dk].reshape(L, B, n, Hk, Dk), cfg.norm_eps)
     v = kv[..., Hk * Dk :].reshape(L, B, n, Hv, Dk)
     ssm_pools = rebuild_states(k, v, g, beta, ssm_pools, source, target, n_keep)

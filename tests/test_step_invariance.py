@@ -82,13 +82,16 @@ def test_logit_rows_past_a_rows_tokens_are_padding_the_head_skips(model):
     assert np.all(np.abs(logits(4, [0, 1, 2, 3])[2:]) > 0)  # the same rows live when the row has their tokens
 
 
-def test_replays_rebuilt_state_is_the_state_decoding_computes(model):
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_replays_rebuilt_state_is_the_state_decoding_computes(model, n):
     """Replay rollback (docs/design.md "Rollback") rebuilds a row's state from the inputs a verify step recorded:
-    for every number of kept tokens (none included), its GDN state and conv planes are the bits that decoding one
-    token per step writes, or a replayed sequence would go on from another state than a plain one."""
-    tokens = [int(t) for t in np.random.default_rng(2).integers(0, model.cfg.n_vocab, 12)]
+    for every number of kept tokens (none included) and every replay width (`replay_tokens`: XLA's batched conv
+    sums the taps of one row of two tokens in another order than decoding's), its GDN state and conv planes are
+    the bits that decoding one token per step writes, or a replayed sequence would go on from another state than
+    a plain one."""
+    tokens = [int(t) for t in np.random.default_rng(2).integers(0, model.cfg.n_vocab, 8 + n)]
     _, ssm_one, conv_one, _ = _fed_in_steps(model, tokens, 1)
-    n, start = 4, 8
+    start = 8
     pages = [1]
     state = model.new_state(n_pages=2, n_planes=4, page_size=PAGE_SIZE, replay_slots=1, replay_tokens=n)
     prefix = pack_batch([Row(tokens[:start], 0, pages, 0, [-1] * (start - 1) + [1], [start - 1])])

@@ -16,7 +16,8 @@ Both take `live` [M], which rows are real: a step padded to its shape bucket (to
 empty rows) skips the padding's products, so it costs its tokens; those rows come back as 0.
 
 The library, these products, CPU attention (`cpu_attention`, from cpu_attention.cc), the gated delta rule
-(`cpu_gdn`, from cpu_gdn.cc) and greedy's argmax (`cpu_argmax`, from cpu_argmax.cc), is compiled from the sources
+(`cpu_gdn`, from cpu_gdn.cc), greedy's argmax (`cpu_argmax`, from cpu_argmax.cc) and the GDN's causal conv
+(`cpu_conv`, from cpu_conv.cc), is compiled from the sources
 beside this file with the system's C++ compiler ($CXX, else g++) for the machine it runs on (-march=native), on first
 use or by `build()` (the Makefile's install step), into $GDNSPEC_KERNEL_DIR (default
 ~/.cache/gdnspec/kernels), named by a digest of the sources, the flags, jaxlib's version and the CPU's features.
@@ -44,9 +45,9 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # The CPU kernels' sources, built into one library: the products here, attention (`cpu_attention`), the gated
-# delta rule (`cpu_gdn`), greedy's argmax (`cpu_argmax`).
+# delta rule (`cpu_gdn`), greedy's argmax (`cpu_argmax`), the GDN's causal conv (`cpu_conv`).
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_gdn.cc", "cpu_argmax.cc"))
+                for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_gdn.cc", "cpu_argmax.cc", "cpu_conv.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vector.h"))
 TARGET = "gdnspec_rows_matmul"
 TARGET_Q8 = "gdnspec_q8_rows_matmul"
@@ -55,6 +56,7 @@ TARGET_ATTENTION = "gdnspec_paged_attention"
 TARGET_ATTENTION_F16 = "gdnspec_paged_attention_f16"
 TARGET_GDN = "gdnspec_gdn_recurrent"
 TARGET_ARGMAX = "gdnspec_argmax_rows"
+TARGET_CONV = "gdnspec_causal_conv"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
 Q8_ROW_GROUP = 8  # rows the Q8_0 product's weights interleave, one per vector lane (cpu_matmul.cc, "Q8_0")
 Q8_QUAD = 4  # bytes of a row side by side in the interleaved order
@@ -122,7 +124,7 @@ def build(path: Path | None = None) -> Path:
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether the CPU kernels (`rows_matmul`, `q8_rows_matmul`, `cpu_attention.paged_attention_cpu`,
-    `cpu_gdn.gdn_recurrent_cpu`, `cpu_argmax.argmax_rows`) can run here:
+    `cpu_gdn.gdn_recurrent_cpu`, `cpu_argmax.argmax_rows`, `cpu_conv.causal_conv_cpu`) can run here:
     the default backend is CPU, GDNSPEC_CPU_KERNEL is not 0, and the library builds and loads (the first call
     registers it with XLA; a failure is logged once)."""
     if os.environ.get("GDNSPEC_CPU_KERNEL", "1") == "0" or jax.default_backend() != "cpu":
@@ -133,7 +135,7 @@ def available() -> bool:
         log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
     for target in (TARGET, TARGET_Q8, TARGET_Q8_PROLOGUE, TARGET_ATTENTION, TARGET_ATTENTION_F16, TARGET_GDN,
-                   TARGET_ARGMAX):
+                   TARGET_ARGMAX, TARGET_CONV):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 

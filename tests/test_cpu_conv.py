@@ -1,0 +1,110 @@
+"""The CPU causal-conv kernel against its jnp specification: shapes with partial groups of channels, one tap to
+nine, many token counts; a channel's value the same bits alone, in a subset of channels (replay's rebuild
+convolves the key and value channels alone), in any batch and step length; the GDN mixer's conv (XLA's form at one
+token, the kernel at more) the same bits token by token as in one step; its gradient is the reference's; malformed
+shapes are refused."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmodel.gdn import causal_conv
+from jaxmodel.kernels import cpu_matmul
+from jaxmodel.kernels.cpu_conv import causal_conv_cpu, causal_conv_reference
+
+needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason="the CPU kernel needs the CPU backend and g++")
+run = jax.jit(causal_conv_cpu)
+
+
+def _inputs(B, T, C, Kc, seed=0):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s) * 2, jnp.float32)  # noqa: E731
+    return f(B, Kc - 1, C), f(B, T, C), f(C, Kc)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,C,Kc", [(1, 1, 256, 4), (3, 5, 13, 4), (2, 40, 64, 4), (1, 1, 7, 1), (16, 1, 24, 4),
+                                      (2, 3, 20, 2), (1, 2, 9, 9), (1, 70, 260, 4)])
+def test_kernel_matches_the_reference(B, T, C, Kc):
+    history, x, w = _inputs(B, T, C, Kc, seed=B * 1000 + T * 10 + C)
+    np.testing.assert_allclose(np.asarray(run(history, x, w)), np.asarray(causal_conv_reference(history, x, w)),
+                               rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
+def test_large_and_negative_sums_stay_finite():
+    history, x, w = _inputs(2, 6, 17, 4)
+    x = x.at[0].multiply(100.0)
+    out = np.asarray(run(history, x, w * 10))
+    ref = np.asarray(causal_conv_reference(history, x, w * 10))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-5)
+
+
+@needs_kernel
+def test_a_channels_value_does_not_depend_on_its_neighbours_batch_or_step():
+    history, x, w = _inputs(3, 9, 45, 4, seed=7)
+    full = np.asarray(run(history, x, w))
+    for lo in (1, 8, 13, 40):  # subsets that shift channels across lanes and into partial groups
+        part = np.asarray(run(history[..., lo:], x[..., lo:], w[lo:]))
+        np.testing.assert_array_equal(part, full[..., lo:])
+    for b in range(3):  # a row alone
+        np.testing.assert_array_equal(np.asarray(run(history[b : b + 1], x[b : b + 1], w)), full[b : b + 1])
+    # token by token, each step's history the last Kc-1 inputs: what decoding computes
+    hist = history
+    for t in range(9):
+        one = np.asarray(run(hist, x[:, t : t + 1], w))
+        np.testing.assert_array_equal(one, full[:, t : t + 1])
+        hist = jnp.concatenate([hist, x[:, t : t + 1]], axis=1)[:, 1:]
+
+
+@needs_kernel
+def test_gradient_is_the_references():
+    history, x, w = _inputs(2, 4, 12, 4, seed=3)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
+    got = jax.grad(loss(causal_conv_cpu), argnums=(0, 1, 2))(history, x, w)
+    want = jax.grad(loss(causal_conv_reference), argnums=(0, 1, 2))(history, x, w)
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_malformed_shapes_are_refused():
+    history, x, w = _inputs(2, 3, 8, 4)
+    with pytest.raises(ValueError, match="history"):
+        causal_conv_cpu(history[:, :2], x, w)
+    with pytest.raises(ValueError, match="disagree"):
+        causal_conv_cpu(history, x, w[:7])
+    with pytest.raises(ValueError, match="takes history"):
+        causal_conv_cpu(history[0], x, w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,C", [(1, 256), (3, 40), (16, 24)])
+def test_the_mixers_conv_is_the_same_bits_token_by_token_as_in_one_step(B, C):
+    """What decoding computes (one token a step, XLA's form, the plane sliding by one input) against verify steps
+    and prompt chunks (several tokens at once: the kernel), for the step lengths the model compiles."""
+    history, x, w = _inputs(B, 16, C, 4, seed=11 + B)
+    planes = jnp.swapaxes(history, 1, 2)  # [B, C, Kc-1], as the conv pools hold them
+    one_by_one = []
+    for t in range(16):
+        one_by_one.append(np.asarray(jax.jit(causal_conv)(planes, x[:, t : t + 1], w)))
+        planes = jnp.concatenate([planes, jnp.swapaxes(x[:, t : t + 1], 1, 2)], axis=2)[..., 1:]
+    one_by_one = np.concatenate(one_by_one, axis=1)
+    np.testing.assert_array_equal(np.asarray(jax.jit(causal_conv_reference)(history, x[:, :1], w)), one_by_one[:, :1])
+    for T in (2, 4, 8, 16):
+        steps = []
+        planes = jnp.swapaxes(history, 1, 2)
+        for t in range(0, 16, T):
+            steps.append(np.asarray(jax.jit(causal_conv)(planes, x[:, t : t + T], w)))
+            planes = jnp.swapaxes(jnp.concatenate([history, x[:, : t + T]], axis=1)[:, -3:], 1, 2)
+        np.testing.assert_array_equal(np.concatenate(steps, axis=1), one_by_one, err_msg=f"steps of {T} tokens")
+
+
+def test_dispatch_matches_the_reference_on_any_backend():
+    history, x, w = _inputs(2, 3, 10, 4, seed=5)
+    np.testing.assert_allclose(np.asarray(causal_conv(jnp.swapaxes(history, 1, 2), x, w)),
+                               np.asarray(causal_conv_reference(history, x, w)), rtol=2e-6, atol=2e-6)
