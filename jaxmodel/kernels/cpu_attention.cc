@@ -33,54 +33,20 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using gdnspec::dot;
 using gdnspec::exp8;
 using gdnspec::lane_sum;
+using gdnspec::load1;
+using gdnspec::load8;
 using gdnspec::multiply_add;
 using gdnspec::splat;
 using gdnspec::v8;
 
 constexpr int64_t kMinParallelWork = 1 << 15;  // multiply-adds below which one thread does it all
 
-// Keys and values are float32 or float16 (IEEE half, stored as uint16_t); each is widened to float32 as it is
-// loaded, exactly, so a float16 cache computes what a float32 cache holding the same values would.
-inline v8 load8(const float* p) { return *(const v8*)p; }
-inline float load1(const float* p) { return *p; }
-
-inline float half_to_float(uint16_t h) {  // as cpu_matmul.cc's round_to_f16 converts the other way
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  _Float16 f;
-  std::memcpy(&f, &h, sizeof f);
-  return float(f);
-#endif
-}
-
-inline float load1(const uint16_t* p) { return half_to_float(*p); }
-
-inline v8 load8(const uint16_t* p) {
-#ifdef __F16C__
-  return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-#else
-  v8 out;
-  for (int i = 0; i < 8; ++i) out[i] = half_to_float(p[i]);
-  return out;
-#endif
-}
-
 // x in every lane. splat adds x to 0.f, an addition the compiler must keep (it turns -0 into +0), in the innermost
 // loops here; a weight is never -0, and a scale is positive.
 inline v8 broadcast(float x) { return v8{x, x, x, x, x, x, x, x}; }
-
-template <typename KV>
-inline float dot(const float* a, const KV* b, int64_t D) {
-  const int64_t D8 = D & ~int64_t(7);
-  v8 acc{};
-  for (int64_t d = 0; d < D8; d += 8) acc = multiply_add(acc, *(const v8*)(a + d), load8(b + d));
-  float s = lane_sum(acc);
-  for (int64_t d = D8; d < D; ++d) s += a[d] * load1(b + d);
-  return s;
-}
 
 // acc[0, D) += p * v[0, D)
 template <typename KV>

@@ -473,15 +473,7 @@ enum Prologue : int32_t { kRmsNorm = 1, kSwiglu = 2, kGatedRmsNorm = 3 };
 
 // 1 / sqrt(mean(x[0, n)^2) + eps).
 float inverse_rms(const float* x, int64_t n, float eps) {
-  const int64_t n8 = n & ~int64_t(7);
-  v8 acc{};
-  for (int64_t k = 0; k < n8; k += 8) {
-    const v8 v = *(const v8*)(x + k);
-    acc = multiply_add(acc, v, v);
-  }
-  float sum = lane_sum(acc);
-  for (int64_t k = n8; k < n; ++k) sum += x[k] * x[k];
-  return 1.f / std::sqrt(sum / float(n) + eps);
+  return 1.f / std::sqrt(gdnspec::dot(x, x, n) / float(n) + eps);
 }
 
 // y[0, n) = x * scale * weight (* silu(gate) where gate is given).

@@ -1,4 +1,5 @@
-// Eight-float vectors and the arithmetic the CPU kernels (cpu_matmul.cc, cpu_attention.cc, cpu_gdn.cc) share.
+// Eight-float vectors and the arithmetic the CPU kernels (cpu_matmul.cc, cpu_attention.cc, cpu_gdn.cc, cpu_conv.cc)
+// share.
 
 #pragma once
 
@@ -7,6 +8,8 @@
 #endif
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace gdnspec {
 
@@ -31,6 +34,45 @@ inline float lane_sum(v8 v) {
 }
 
 inline v8 splat(float x) { return v8{} + x; }
+
+// Attention's keys and values are float32 or float16 (IEEE half, stored as uint16_t); each is widened to float32
+// as it is loaded, exactly, so a float16 cache computes what a float32 cache holding the same values would.
+inline v8 load8(const float* p) { return *(const v8*)p; }
+inline float load1(const float* p) { return *p; }
+
+inline float half_to_float(uint16_t h) {  // as cpu_matmul.cc's round_to_f16 converts the other way
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  _Float16 f;
+  std::memcpy(&f, &h, sizeof f);
+  return float(f);
+#endif
+}
+
+inline float load1(const uint16_t* p) { return half_to_float(*p); }
+
+inline v8 load8(const uint16_t* p) {
+#ifdef __F16C__
+  return (v8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+  v8 out;
+  for (int i = 0; i < 8; ++i) out[i] = half_to_float(p[i]);
+  return out;
+#endif
+}
+
+// sum a[d] b[d] over [0, D): eight lanes of FMAs, added lane by lane, then the tail in order.
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t D) {
+  const int64_t D8 = D & ~int64_t(7);
+  v8 acc{};
+  for (int64_t d = 0; d < D8; d += 8) acc = multiply_add(acc, *(const v8*)(a + d), load8(b + d));
+  float s = lane_sum(acc);
+  for (int64_t d = D8; d < D; ++d) s += a[d] * load1(b + d);
+  return s;
+}
+
 
 // exp(x) for eight lanes: Cephes' expf (x = n ln 2 + r, a degree-7 polynomial in r, scaled by 2^n), within 2 ulp
 // of expf; 0 below -87.33 (where expf turns subnormal) and for -inf; exp(0) is exactly 1. The same arithmetic on
