@@ -15,13 +15,14 @@ from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
 
 
-def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array) -> jax.Array:
+def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array, n_tokens: jax.Array) -> jax.Array:
     """silu of the causal depthwise conv over each row's window [prev | x].
 
-    prev:   [B, C, Kc-1]  a conv plane: the row's Kc-1 earlier raw inputs, oldest first
-    x:      [B, T, C]     this step's raw inputs
-    w_conv: [C, Kc]       taps, oldest first
-    returns [B, T, C]
+    prev:     [B, C, Kc-1]  a conv plane: the row's Kc-1 earlier raw inputs, oldest first
+    x:        [B, T, C]     this step's raw inputs
+    w_conv:   [C, Kc]       taps, oldest first
+    n_tokens: [B] int32     the row's tokens; the rest are padding, which comes out 0
+    returns   [B, T, C]
 
     On CPU a step of more than one token takes the kernel (`kernels.cpu_conv`): XLA's form is a batched dot there,
     with copies around it, and sums one row of two tokens in another order. At one token XLA fuses it into a
@@ -30,10 +31,11 @@ def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array) -> jax.Array:
     """
     T = x.shape[1]
     if T > 1 and jax.default_backend() == "cpu" and cpu_matmul.available():
-        return causal_conv_cpu(jnp.swapaxes(prev, 1, 2), x, w_conv)
+        return causal_conv_cpu(jnp.swapaxes(prev, 1, 2), x, w_conv, n_tokens)
     window = jnp.concatenate([prev, jnp.swapaxes(x, 1, 2)], axis=2)  # [B, C, Kc-1+T]
     taps = jnp.stack([window[:, :, j : j + T] for j in range(w_conv.shape[1])], axis=-1)  # [B, C, T, Kc]
-    return jax.nn.silu(jnp.einsum("bctk,ck->btc", taps, w_conv))
+    live = jnp.arange(T)[None, :] < n_tokens[:, None]  # [B, T]
+    return jnp.where(live[..., None], jax.nn.silu(jnp.einsum("bctk,ck->btc", taps, w_conv)), 0.0)
 
 
 def gdn_mixer(
@@ -67,7 +69,7 @@ def gdn_mixer(
 
     # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first.
     prev = read_planes(conv_pool, read_plane)  # [B, C, Kc-1]
-    conv = causal_conv(prev, qkv, w.conv)  # [B, T, C]
+    conv = causal_conv(prev, qkv, w.conv, n_tokens)  # [B, T, C]
     window = jnp.concatenate([prev, jnp.swapaxes(qkv, 1, 2)], axis=2)  # [B, C, Kc-1+T]
 
     q = l2_norm(conv[..., : Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
@@ -117,7 +119,7 @@ def gdn_rebuild(
     g = jnp.where(keep, records[..., C : C + Hv], 0.0)  # [L, B, n, Hv]
     beta = jnp.where(keep, records[..., C + Hv :], 0.0)
     prev = [read_planes(pool, source) for pool in conv_pools]  # L x [B, C, Kc-1]
-    kv = jnp.stack([causal_conv(p[:, Hk * Dk :], records[j, ..., Hk * Dk : C], w.conv[Hk * Dk :])
+    kv = jnp.stack([causal_conv(p[:, Hk * Dk :], records[j, ..., Hk * Dk : C], w.conv[Hk * Dk :], n_keep)
                     for j, (p, w) in enumerate(zip(prev, ws, strict=True))])  # [L, B, n, C - Hk Dk]: k, v channels
     window = jnp.concatenate([jnp.stack(prev), jnp.swapaxes(records[..., :C], 2, 3)], axis=3)  # [L, B, C, Kc-1+n]
     k = l2_norm(kv[..., : Hk * Dk].reshape(L, B, n, Hk, Dk), cfg.norm_eps)

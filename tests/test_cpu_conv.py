@@ -19,6 +19,10 @@ needs_kernel = pytest.mark.skipif(not cpu_matmul.available(), reason="the CPU ke
 run = jax.jit(causal_conv_cpu)
 
 
+def full(B, T):
+    return jnp.full((B,), T, jnp.int32)
+
+
 def _inputs(B, T, C, Kc, seed=0):
     rng = np.random.default_rng(seed)
     f = lambda *s: jnp.asarray(rng.standard_normal(s) * 2, jnp.float32)  # noqa: E731
@@ -62,6 +66,23 @@ def test_a_channels_value_does_not_depend_on_its_neighbours_batch_or_step():
 
 
 @needs_kernel
+def test_padding_tokens_come_out_zero_and_leave_the_others_alone():
+    """A row's tokens from n_tokens on are padding (a verify step feeding fewer drafts than its width, a prompt
+    chunk shorter than its bucket, a row of a padded batch): 0, in the kernel, the reference and the mixer's conv
+    at one token, and the row's real tokens are the bits they are unpadded."""
+    history, x, w = _inputs(3, 8, 20, 4, seed=9)
+    n_tokens = jnp.asarray([8, 3, 0], jnp.int32)
+    out = np.asarray(run(history, x, w, n_tokens))
+    np.testing.assert_array_equal(out[1, 3:], 0.0)
+    np.testing.assert_array_equal(out[2], 0.0)
+    np.testing.assert_array_equal(out[1, :3], np.asarray(run(history[1:2], x[1:2, :3], w))[0])
+    np.testing.assert_allclose(out, np.asarray(causal_conv_reference(history, x, w, n_tokens)), rtol=2e-6, atol=2e-6)
+    one = np.asarray(jax.jit(causal_conv)(jnp.swapaxes(history, 1, 2), x[:, :1], w, jnp.asarray([1, 0, 1], jnp.int32)))
+    np.testing.assert_array_equal(one[1], 0.0)
+    assert np.all(one[0] != 0.0)
+
+
+@needs_kernel
 def test_gradient_is_the_references():
     history, x, w = _inputs(2, 4, 12, 4, seed=3)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
@@ -78,6 +99,8 @@ def test_malformed_shapes_are_refused():
         causal_conv_cpu(history[:, :2], x, w)
     with pytest.raises(ValueError, match="disagree"):
         causal_conv_cpu(history, x, w[:7])
+    with pytest.raises(ValueError, match="n_tokens"):
+        causal_conv_cpu(history, x, w, jnp.asarray([3], jnp.int32))
     with pytest.raises(ValueError, match="takes history"):
         causal_conv_cpu(history[0], x, w)
 
@@ -91,7 +114,7 @@ def test_the_mixers_conv_is_the_same_bits_token_by_token_as_in_one_step(B, C):
     planes = jnp.swapaxes(history, 1, 2)  # [B, C, Kc-1], as the conv pools hold them
     one_by_one = []
     for t in range(16):
-        one_by_one.append(np.asarray(jax.jit(causal_conv)(planes, x[:, t : t + 1], w)))
+        one_by_one.append(np.asarray(jax.jit(causal_conv)(planes, x[:, t : t + 1], w, full(B, 1))))
         planes = jnp.concatenate([planes, jnp.swapaxes(x[:, t : t + 1], 1, 2)], axis=2)[..., 1:]
     one_by_one = np.concatenate(one_by_one, axis=1)
     np.testing.assert_array_equal(np.asarray(jax.jit(causal_conv_reference)(history, x[:, :1], w)), one_by_one[:, :1])
@@ -99,12 +122,12 @@ def test_the_mixers_conv_is_the_same_bits_token_by_token_as_in_one_step(B, C):
         steps = []
         planes = jnp.swapaxes(history, 1, 2)
         for t in range(0, 16, T):
-            steps.append(np.asarray(jax.jit(causal_conv)(planes, x[:, t : t + T], w)))
+            steps.append(np.asarray(jax.jit(causal_conv)(planes, x[:, t : t + T], w, full(B, T))))
             planes = jnp.swapaxes(jnp.concatenate([history, x[:, : t + T]], axis=1)[:, -3:], 1, 2)
         np.testing.assert_array_equal(np.concatenate(steps, axis=1), one_by_one, err_msg=f"steps of {T} tokens")
 
 
 def test_dispatch_matches_the_reference_on_any_backend():
     history, x, w = _inputs(2, 3, 10, 4, seed=5)
-    np.testing.assert_allclose(np.asarray(causal_conv(jnp.swapaxes(history, 1, 2), x, w)),
+    np.testing.assert_allclose(np.asarray(causal_conv(jnp.swapaxes(history, 1, 2), x, w, full(2, 3))),
                                np.asarray(causal_conv_reference(history, x, w)), rtol=2e-6, atol=2e-6)

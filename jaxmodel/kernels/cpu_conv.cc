@@ -1,7 +1,8 @@
 // The GDN mixer's causal depthwise conv on CPU (its sums; silu follows in XLA), an XLA FFI custom call:
 //   gdnspec_causal_conv  out[B, T, C] = sum_j window[b, t + j, c] w_taps[j, c], j = 0..Kc-1, over the window
 //                        [history[b] | x[b]] [Kc-1+T, C] of the row's Kc-1 earlier raw inputs history [B, Kc-1, C]
-//                        (oldest first) and this step's x [B, T, C]; w_taps [Kc, C], tap by tap.
+//                        (oldest first) and this step's x [B, T, C]; w_taps [Kc, C], tap by tap; a row's tokens
+//                        from n_tokens[b] on are padding, which costs nothing and comes out 0.
 //
 // XLA computes the conv as a dot batched over the channels: a fused multiply-and-reduce at one token, a batched
 // dot with copies around it at more, whose order of summation follows the shape (one row of two tokens sums
@@ -24,49 +25,75 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using gdnspec::load8;
 using gdnspec::multiply_add;
 using gdnspec::v8;
 
 constexpr int64_t kMinParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 constexpr int64_t kChannelsPerChunk = 64;
 
-// Lanes c.. of a row of C floats: eight, or n < 8 followed by zeros.
-inline v8 load(const float* row, int64_t c, int64_t n) {
-  if (n == 8) return *(const v8*)(row + c);
-  v8 lanes{};
-  std::memcpy(&lanes, row + c, n * sizeof(float));
-  return lanes;
+// Window row r of a row's task, [C] floats: its history for r < Kc-1, then its tokens.
+struct Window {
+  const float *history, *x;
+  int64_t Kc, C;
+  const float* row(int64_t r) const { return r < Kc - 1 ? history + r * C : x + (r - (Kc - 1)) * C; }
+};
+
+// out[c0, c0 + kLanes * G) of token t: G vectors of channels side by side, so that their chains of FMAs overlap.
+template <int G>
+inline void conv_vectors(const Window& window, const float* w_taps, int64_t t, int64_t c0, float* out) {
+  v8 acc[G];
+  const float* first = window.row(t);
+  for (int g = 0; g < G; ++g) acc[g] = load8(first + c0 + 8 * g) * load8(w_taps + c0 + 8 * g);
+  for (int64_t j = 1; j < window.Kc; ++j) {
+    const float *xj = window.row(t + j), *wj = w_taps + j * window.C;
+    for (int g = 0; g < G; ++g) acc[g] = multiply_add(acc[g], load8(xj + c0 + 8 * g), load8(wj + c0 + 8 * g));
+  }
+  for (int g = 0; g < G; ++g) std::memcpy(out + c0 + 8 * g, &acc[g], sizeof(v8));
+}
+
+// The same for n < 8 channels: the other lanes compute on zeros.
+inline void conv_partial(const Window& window, const float* w_taps, int64_t t, int64_t c, int64_t n, float* out) {
+  auto lanes = [n](const float* p) {
+    v8 v{};
+    std::memcpy(&v, p, n * sizeof(float));
+    return v;
+  };
+  v8 acc = lanes(window.row(t) + c) * lanes(w_taps + c);
+  for (int64_t j = 1; j < window.Kc; ++j)
+    acc = multiply_add(acc, lanes(window.row(t + j) + c), lanes(w_taps + j * window.C + c));
+  std::memcpy(out + c, &acc, n * sizeof(float));
 }
 
 ffi::Error CausalConv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> history, ffi::Buffer<ffi::F32> x,
-                      ffi::Buffer<ffi::F32> w_taps, ffi::ResultBuffer<ffi::F32> out) {
+                      ffi::Buffer<ffi::F32> w_taps, ffi::Buffer<ffi::S32> n_tokens, ffi::ResultBuffer<ffi::F32> out) {
   const auto hd = history.dimensions(), xd = x.dimensions(), wd = w_taps.dimensions();
   if (hd.size() != 3 || xd.size() != 3 || wd.size() != 2)
     return ffi::Error::InvalidArgument("causal_conv takes history [B, Kc-1, C], x [B, T, C] and w_taps [Kc, C]");
   const int64_t B = xd[0], T = xd[1], C = xd[2], Kc = wd[0];
-  if (Kc < 1 || hd[0] != B || hd[1] != Kc - 1 || hd[2] != C || wd[1] != C)
-    return ffi::Error::InvalidArgument("causal_conv: history [B, Kc-1, C], x [B, T, C] and w_taps [Kc, C] disagree");
+  if (Kc < 1 || hd[0] != B || hd[1] != Kc - 1 || hd[2] != C || wd[1] != C || n_tokens.element_count() != B)
+    return ffi::Error::InvalidArgument(
+        "causal_conv: history [B, Kc-1, C], x [B, T, C], w_taps [Kc, C] and n_tokens [B] disagree");
   const float *hp = history.typed_data(), *xp = x.typed_data(), *wp = w_taps.typed_data();
+  const int32_t* lengths = n_tokens.typed_data();
   float* op = out->typed_data();
   const int64_t blocks = (C + kChannelsPerChunk - 1) / kChannelsPerChunk;
   gdnspec::over_chunks(pool, B * blocks, B * T * C * Kc >= kMinParallelWork, [&](int64_t chunk) {
     const int64_t b = chunk / blocks, c0 = chunk % blocks * kChannelsPerChunk;
     const int64_t c1 = std::min(C, c0 + kChannelsPerChunk);
-    auto row = [&](int64_t r) {  // row r of the window [Kc-1+T, C]
-      return r < Kc - 1 ? hp + (b * (Kc - 1) + r) * C : xp + (b * T + r - (Kc - 1)) * C;
-    };
-    for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(lengths[b], 0), T);
+    const Window window{hp + b * (Kc - 1) * C, xp + b * T * C, Kc, C};
+    for (int64_t t = 0; t < n; ++t) {
       float* to = op + (b * T + t) * C;
-      for (int64_t c = c0; c < c1; c += 8) {
-        const int64_t n = std::min<int64_t>(8, c1 - c);
-        v8 acc = load(row(t), c, n) * load(wp, c, n);
-        for (int64_t j = 1; j < Kc; ++j) acc = multiply_add(acc, load(row(t + j), c, n), load(wp + j * C, c, n));
-        if (n == 8)
-          *(v8*)(to + c) = acc;
-        else
-          std::memcpy(to + c, &acc, n * sizeof(float));
+      int64_t c = c0;
+      if (c1 - c0 == kChannelsPerChunk) {
+        conv_vectors<kChannelsPerChunk / 8>(window, wp, t, c, to);
+        c = c1;
       }
+      for (; c + 8 <= c1; c += 8) conv_vectors<1>(window, wp, t, c, to);
+      if (c < c1) conv_partial(window, wp, t, c, c1 - c, to);
     }
+    for (int64_t t = n; t < T; ++t) std::memset(op + (b * T + t) * C + c0, 0, (c1 - c0) * sizeof(float));
   });
   return ffi::Error::Success();
 }
@@ -79,4 +106,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_causal_conv, CausalConv,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // history
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w_taps
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // n_tokens
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out
