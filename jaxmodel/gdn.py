@@ -28,9 +28,10 @@ def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array, n_tokens: jax.
     with copies around it, and sums one row of two tokens in another order. At one token XLA fuses it into a
     multiply-and-reduce, cheaper than the call, that sums as the kernel does: one FMA per tap from the oldest. So
     a token's conv is the same bits in a step of any length (tests/test_cpu_conv.py, tests/test_step_invariance.py).
+    (`cpu_matmul.TARGET_CONV` None: a kernel library without it, as `bench.kernels` builds from older revisions.)
     """
     T = x.shape[1]
-    if T > 1 and jax.default_backend() == "cpu" and cpu_matmul.available():
+    if T > 1 and jax.default_backend() == "cpu" and cpu_matmul.available() and cpu_matmul.TARGET_CONV is not None:
         return causal_conv_cpu(jnp.swapaxes(prev, 1, 2), x, w_conv, n_tokens)
     window = jnp.concatenate([prev, jnp.swapaxes(x, 1, 2)], axis=2)  # [B, C, Kc-1+T]
     taps = jnp.stack([window[:, :, j : j + T] for j in range(w_conv.shape[1])], axis=-1)  # [B, C, T, Kc]

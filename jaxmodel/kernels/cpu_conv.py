@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .cpu_matmul import TARGET_CONV
+from . import cpu_matmul
 
 
 def causal_conv_reference(history: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array | None = None
@@ -63,8 +63,8 @@ def causal_conv_cpu(history: jax.Array, x: jax.Array, w: jax.Array, n_tokens: ja
 
 def _call(history, x, w, n_tokens):
     # The kernel reads the taps' weights as rows of channels [Kc, C], as it reads the window.
-    return jax.ffi.ffi_call(TARGET_CONV, jax.ShapeDtypeStruct(x.shape, jnp.float32), vmap_method="sequential")(
-        history, x, w.T, n_tokens)
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    return jax.ffi.ffi_call(cpu_matmul.TARGET_CONV, out, vmap_method="sequential")(history, x, w.T, n_tokens)
 
 
 @jax.custom_vjp
