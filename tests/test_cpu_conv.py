@@ -127,6 +127,18 @@ def test_the_mixers_conv_is_the_same_bits_token_by_token_as_in_one_step(B, C):
         np.testing.assert_array_equal(np.concatenate(steps, axis=1), one_by_one, err_msg=f"steps of {T} tokens")
 
 
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 4, 16, 64])
+@pytest.mark.parametrize("C", [256, 6144, 10240])
+def test_xlas_one_token_form_sums_as_the_kernel_at_the_runtimes_batch_sizes(B, C):
+    """Decoding keeps XLA's one-token form, which must sum in the kernel's order at every batch bucket the runtime
+    compiles (powers of 4) and at real models' channel counts (the bundled model's 256, Qwen3.5-0.8B's 6144, a
+    larger model's 10240). XLA's dot picks its order by shape: at 2 rows of one token it sums otherwise."""
+    history, x, w = _inputs(B, 1, C, 4, seed=B + C)
+    one_token = np.asarray(jax.jit(causal_conv)(jnp.swapaxes(history, 1, 2), x, w, full(B, 1)))
+    np.testing.assert_array_equal(one_token, np.asarray(run(history, x, w)))
+
+
 def test_dispatch_matches_the_reference_on_any_backend():
     history, x, w = _inputs(2, 3, 10, 4, seed=5)
     np.testing.assert_allclose(np.asarray(causal_conv(jnp.swapaxes(history, 1, 2), x, w, full(2, 3))),
