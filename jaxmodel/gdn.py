@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .delta_rule import gated_delta_rule, rebuild_states
 from .kernels import cpu_matmul
-from .kernels.cpu_conv import causal_conv_cpu
+from .kernels.cpu_conv import causal_conv_cpu, causal_conv_reference
 from .layers import Prologued, l2_norm, linear, project
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
@@ -24,21 +24,18 @@ def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array, n_tokens: jax.
     n_tokens: [B] int32     the row's tokens; the rest are padding, which comes out 0
     returns   [B, T, C]
 
-    On CPU a step of more than one token takes the kernel (`kernels.cpu_conv`): XLA's form is a batched dot there,
-    with copies around it, and sums one row of two tokens in another order. At one token XLA fuses it into a
-    multiply-and-reduce, cheaper than the call (plain decoding 1.05-1.08x with the kernel), that sums as the kernel
+    On CPU a step of more than one token takes the kernel (`kernels.cpu_conv`): XLA's form (`causal_conv_reference`)
+    is a batched dot there, with copies around it, and sums one row of two tokens in another order. At one token
+    XLA fuses it into a multiply-and-reduce, cheaper than the call (plain decoding 1.05-1.08x with the kernel), that sums as the kernel
     does at the batch buckets the runtime compiles (1, 4, 16, 64; XLA's dot picks its order by shape, and at 2 rows
     sums otherwise): one FMA per tap from the oldest. So a token's conv is the same bits in a step of any length
     (tests/test_cpu_conv.py, tests/test_step_invariance.py).
     (`cpu_matmul.TARGET_CONV` None: a kernel library without it, as `bench.kernels` builds from older revisions.)
     """
-    T = x.shape[1]
-    if T > 1 and jax.default_backend() == "cpu" and cpu_matmul.available() and cpu_matmul.TARGET_CONV is not None:
-        return causal_conv_cpu(jnp.swapaxes(prev, 1, 2), x, w_conv, n_tokens)
-    window = jnp.concatenate([prev, jnp.swapaxes(x, 1, 2)], axis=2)  # [B, C, Kc-1+T]
-    taps = jnp.stack([window[:, :, j : j + T] for j in range(w_conv.shape[1])], axis=-1)  # [B, C, T, Kc]
-    live = jnp.arange(T)[None, :] < n_tokens[:, None]  # [B, T]
-    return jnp.where(live[..., None], jax.nn.silu(jnp.einsum("bctk,ck->btc", taps, w_conv)), 0.0)
+    kernel = jax.default_backend() == "cpu" and cpu_matmul.available() and cpu_matmul.TARGET_CONV is not None
+    if x.shape[1] > 1 and kernel:
+        return causal_conv_cpu(prev, x, w_conv, n_tokens)
+    return causal_conv_reference(prev, x, w_conv, n_tokens)
 
 
 def gdn_mixer(

@@ -39,7 +39,7 @@ struct Window {
   const float* row(int64_t r) const { return r < Kc - 1 ? history + r * C : x + (r - (Kc - 1)) * C; }
 };
 
-// out[c0, c0 + kLanes * G) of token t: G vectors of channels side by side, so that their chains of FMAs overlap.
+// out[c0, c0 + 8 G) of token t: G vectors of channels side by side, so that their chains of FMAs overlap.
 template <int G>
 inline void conv_vectors(const Window& window, const float* w_taps, int64_t t, int64_t c0, float* out) {
   v8 acc[G];

@@ -16,26 +16,26 @@ import jax.numpy as jnp
 from . import cpu_matmul
 
 
-def causal_conv_reference(history: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array | None = None
+def causal_conv_reference(prev: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array | None = None
                           ) -> jax.Array:
-    """The specification, in jnp: silu of the causal depthwise conv over each row's window [history | x].
+    """The specification, in jnp: silu of the causal depthwise conv over each row's window [prev | x]. XLA's form,
+    which `gdn.causal_conv` takes for one-token steps and off CPU.
 
-    history:  [B, Kc-1, C]  the row's Kc-1 earlier raw inputs, oldest first (a conv plane)
+    prev:     [B, C, Kc-1]  a conv plane: the row's Kc-1 earlier raw inputs, oldest first
     x:        [B, T, C]     this step's raw inputs
     w:        [C, Kc]       taps, oldest first (GGUF's order)
     n_tokens: [B] int       the row's tokens; from n_tokens[b] on, padding (None: all T are tokens)
-    returns   [B, T, C]:    out[b, t, c] = silu(sum_j window[b, t + j, c] w[c, j]), window = [history | x] [B, Kc-1+T, C];
+    returns   [B, T, C]:    out[b, t, c] = silu(sum_j window[b, c, t + j] w[c, j]), window = [prev | x^T] [B, C, Kc-1+T];
                             0 at padding
     """
-    return jax.nn.silu(_conv_sums(history, x, w, _lengths(n_tokens, x)))
+    return jnp.where(_live(n_tokens, x)[..., None], jax.nn.silu(_conv_sums(prev, x, w)), 0.0)
 
 
-def _conv_sums(history, x, w, n_tokens):
-    T, Kc = x.shape[1], w.shape[1]
-    window = jnp.concatenate([history, x], axis=1)
-    taps = jnp.stack([window[:, j : j + T] for j in range(Kc)], axis=-1)  # [B, T, C, Kc]
-    live = jnp.arange(T)[None, :] < n_tokens[:, None]  # [B, T]
-    return jnp.where(live[..., None], jnp.einsum("btck,ck->btc", taps, w), 0.0)
+def _conv_sums(prev, x, w):
+    T = x.shape[1]
+    window = jnp.concatenate([prev, jnp.swapaxes(x, 1, 2)], axis=2)  # [B, C, Kc-1+T]
+    taps = jnp.stack([window[:, :, j : j + T] for j in range(w.shape[1])], axis=-1)  # [B, C, T, Kc]
+    return jnp.einsum("bctk,ck->btc", taps, w)
 
 
 def _lengths(n_tokens, x):
@@ -43,42 +43,48 @@ def _lengths(n_tokens, x):
     return jnp.full((B,), T, jnp.int32) if n_tokens is None else jnp.asarray(n_tokens, jnp.int32)
 
 
-def causal_conv_cpu(history: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array | None = None) -> jax.Array:
+def _live(n_tokens, x):  # [B, T]
+    return jnp.arange(x.shape[1])[None, :] < _lengths(n_tokens, x)[:, None]
+
+
+def causal_conv_cpu(prev: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array | None = None) -> jax.Array:
     """`causal_conv_reference` by the CPU kernel (requires `cpu_matmul.available()`); shapes as there, float32.
     Equal to the reference within float32 rounding, and bit for bit where XLA sums the taps as the kernel does (one
     FMA per tap from the oldest: at one token); an output depends on its own channel's inputs only, computed alike
     for every B, T and C. Padding tokens cost nothing."""
-    if history.ndim != 3 or x.ndim != 3 or w.ndim != 2:
-        raise ValueError(f"causal_conv_cpu takes history [B, Kc-1, C], x [B, T, C], w [C, Kc]; got "
-                         f"{history.shape}, {x.shape}, {w.shape}")
+    if prev.ndim != 3 or x.ndim != 3 or w.ndim != 2:
+        raise ValueError(f"causal_conv_cpu takes prev [B, C, Kc-1], x [B, T, C], w [C, Kc]; got "
+                         f"{prev.shape}, {x.shape}, {w.shape}")
     B, T, C = x.shape
-    if history.shape != (B, w.shape[1] - 1, C) or w.shape[0] != C:
-        raise ValueError(f"causal_conv_cpu: history {history.shape}, x {x.shape} and w {w.shape} disagree "
-                         f"(history [B, Kc-1, C], x [B, T, C], w [C, Kc])")
+    if prev.shape != (B, C, w.shape[1] - 1) or w.shape[0] != C:
+        raise ValueError(f"causal_conv_cpu: prev {prev.shape}, x {x.shape} and w {w.shape} disagree "
+                         f"(prev [B, C, Kc-1], x [B, T, C], w [C, Kc])")
     if n_tokens is not None and jnp.shape(n_tokens) != (B,):
         raise ValueError(f"causal_conv_cpu: n_tokens {jnp.shape(n_tokens)} is not [B] = [{B}]")
     f32 = lambda a: jnp.asarray(a).astype(jnp.float32)  # noqa: E731
-    return jax.nn.silu(_differentiable(f32(history), f32(x), f32(w), _lengths(n_tokens, x)))
+    return jax.nn.silu(_differentiable(f32(prev), f32(x), f32(w), _lengths(n_tokens, x)))
 
 
-def _call(history, x, w, n_tokens):
-    # The kernel reads the taps' weights as rows of channels [Kc, C], as it reads the window.
+def _call(prev, x, w, n_tokens):
+    # The kernel reads the history and the taps' weights as rows of channels ([B, Kc-1, C], [Kc, C]), as it reads x.
     out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
-    return jax.ffi.ffi_call(cpu_matmul.TARGET_CONV, out, vmap_method="sequential")(history, x, w.T, n_tokens)
+    return jax.ffi.ffi_call(cpu_matmul.TARGET_CONV, out, vmap_method="sequential")(
+        jnp.swapaxes(prev, 1, 2), x, w.T, n_tokens)
 
 
 @jax.custom_vjp
-def _differentiable(history, x, w, n_tokens):
-    return _call(history, x, w, n_tokens)
+def _differentiable(prev, x, w, n_tokens):
+    return _call(prev, x, w, n_tokens)
 
 
-def _forward(history, x, w, n_tokens):
-    return _call(history, x, w, n_tokens), (history, x, w, n_tokens)
+def _forward(prev, x, w, n_tokens):
+    return _call(prev, x, w, n_tokens), (prev, x, w, n_tokens)
 
 
 def _backward(args, cotangent):
-    history, x, w, n_tokens = args
-    _, vjp = jax.vjp(lambda h, x, w: _conv_sums(h, x, w, n_tokens), history, x, w)
+    prev, x, w, n_tokens = args
+    live = _live(n_tokens, x)[..., None]
+    _, vjp = jax.vjp(lambda p, x, w: jnp.where(live, _conv_sums(p, x, w), 0.0), prev, x, w)
     return (*vjp(cotangent), None)
 
 

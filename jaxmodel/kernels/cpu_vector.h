@@ -73,7 +73,6 @@ inline float dot(const float* a, const KV* b, int64_t D) {
   return s;
 }
 
-
 // exp(x) for eight lanes: Cephes' expf (x = n ln 2 + r, a degree-7 polynomial in r, scaled by 2^n), within 2 ulp
 // of expf; 0 below -87.33 (where expf turns subnormal) and for -inf; exp(0) is exactly 1. The same arithmetic on
 // every lane and in every call, so a result does not depend on where it is computed (attention's weights, silu).
