@@ -378,18 +378,23 @@ class Runtime:
             lookup_width=self.lookup_width if lookup else 0,
         )  # fmt: skip
         n_accepted, tokens, drafts, n_drafted = out.n_accepted, out.tokens, out.drafts, out.n_drafted
+        # Python ints a row at a time, not numpy scalars an element at a time: a call of 64 iterations of 16 rows
+        # returns about a thousand of them.
+        n_accepted, n_drafted = n_accepted.tolist(), n_drafted.tolist()
+        if more is not None:
+            ran, more_accepted, more_drafts = more.ran.T, more.n_accepted.T.tolist(), more.n_drafts.T.tolist()
         results = []
         for b, r in enumerate(rows):
             if not r.row.logit_rows:
                 results.append(RowResult(0, [], []))
                 continue
-            a = int(n_accepted[b])
+            a = n_accepted[b]
             later = []
             if more is not None:
-                for j in np.nonzero(more.ran[:, b])[0]:
-                    a_j, d_j = int(more.n_accepted[j, b]), int(more.n_drafts[j, b])
-                    committed = more.tokens[j, b, : a_j + 1].tolist()
-                    later.append(Iteration(committed[:a_j] + [-1] * (d_j - a_j), a_j, committed))
+                iterations = np.flatnonzero(ran[b]).tolist()
+                for j, row_tokens in zip(iterations, more.tokens[iterations, b].tolist()):
+                    a_j, d_j = more_accepted[b][j], more_drafts[b][j]
+                    later.append(Iteration(row_tokens[:a_j] + [-1] * (d_j - a_j), a_j, row_tokens[: a_j + 1]))
             results.append(RowResult(a, tokens[b, : a + 1].tolist(), drafts[b, : n_drafted[b]].tolist(), later))
         return results
 

@@ -77,6 +77,16 @@ class _Sequence:
 
 
 @dataclass(eq=False)
+class _Burst:
+    """What one row's step committed, gathered over its iterations into one tokens event (`Scheduler._append`)."""
+
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    n_from_drafts: int = 0
+    reason: FinishReason | None = None
+
+
+@dataclass(eq=False)
 class _RowSpec:
     seq: _Sequence
     n_feed: int
@@ -282,28 +292,26 @@ class Scheduler:
                 result = committed[row.seq_id]
                 later = (continued or {}).get(row.seq_id, ())
                 self._roll(seq, row, result.n_accepted, trim=not later)
-                events += self._commit(seq, result)
-                if later:
-                    events += self._continue(seq, row, later)
+                burst = _Burst()
+                if not self._append(seq, result, burst) and later:
+                    self._continue(seq, row, later, burst)
+                events += self._emit(seq, burst)
         self._in_flight = None
-        return _one_tokens_event_per_sequence(events)
+        return events
 
-    def _continue(self, seq: _Sequence, row: Row, later: Sequence[Continued]) -> list[Event]:
+    def _continue(self, seq: _Sequence, row: Row, later: Sequence[Continued], burst: _Burst) -> None:
+        """Advance and append a row's later iterations into `burst`, until the sequence finishes."""
         planes = (row.read_plane,) + row.write_pool
-        events: list[Event] = []
         mode = "snapshot" if len(row.write_pool) > 1 else row.mode
         for iteration in later:
-            if seq.request.seq_id not in self._seqs:  # finished by the iteration before
-                return events
             n_drafts = len(iteration.drafts)
             pool = tuple(p for p in planes if p != seq.live_plane)[: len(row.write_pool)]
             self._advance(seq, mode, start=len(seq.tokens) - 1, n_fed=1, write_pool=pool, n_drafts=n_drafts,
                           n_accepted=iteration.committed.n_accepted,
                           drafter=(iteration.drafter or row.drafter or UNNAMED_DRAFTER) if n_drafts else None)
-            events += self._commit(seq, iteration.committed)
-        if seq.request.seq_id in self._seqs:
-            self._trim_planes(seq)
-        return events
+            if self._append(seq, iteration.committed, burst):
+                return  # finished: the iterations after it are not the sequence's
+        self._trim_planes(seq)
 
     def _hold_lookahead(self, specs: list[_RowSpec]) -> None:
         """Best effort: pages for up to `lookahead` positions past each row's tokens, each row taking at most an
@@ -385,7 +393,7 @@ class Scheduler:
                    write_pool=tuple(spare[:n_write]), optimistic=spec.optimistic)
 
     def _roll(self, seq: _Sequence, row: Row, n_accepted: int, trim: bool = True) -> None:
-        """Move the live plane and n_computed after verification (tokens are appended by `_commit`)."""
+        """Move the live plane and n_computed after verification (tokens are appended by `_append`)."""
         self._advance(seq, row.mode, row.start, len(row.fed), row.write_pool, len(row.drafts), n_accepted,
                       row.drafter)
         if trim:
@@ -414,11 +422,11 @@ class Scheduler:
             stats[1] += n_accepted
             seq.rollback_steps[mode] += 1
 
-    def _commit(self, seq: _Sequence, result: Committed) -> list[Event]:
-        """Append committed tokens up to a stop; emit their ids and the text that is safe to show."""
+    def _append(self, seq: _Sequence, result: Committed, burst: _Burst) -> bool:
+        """Append one verified row's tokens to the sequence and to `burst`, up to a stop; True when that finished
+        the sequence (`burst.reason` says why; `_emit` then ends it)."""
         req = seq.request
-        ids: list[int] = []
-        text = ""
+        n_ids = len(burst.ids)
         reason: FinishReason | None = None
         cut_by_stop_string = False
         for token in result.tokens:
@@ -427,29 +435,36 @@ class Scheduler:
             if token in req.stop_token_ids:
                 reason = "stop"
                 break
-            ids.append(token)
+            burst.ids.append(token)
             if req.stop_strings:
                 scan = scan_stop_strings(seq.held_text + seq.detokenizer.add(token), req.stop_strings)
-                text += scan.emit
+                burst.text.append(scan.emit)
                 seq.held_text = scan.held
                 if scan.stopped:
                     reason, cut_by_stop_string = "stop", True
                     break
             else:
-                text += seq.detokenizer.add(token)
+                burst.text.append(seq.detokenizer.add(token))
             if seq.n_generated == req.max_tokens or len(seq.tokens) == self.max_model_len:
                 reason = "length"
                 break
+        burst.n_from_drafts += min(result.n_accepted, len(burst.ids) - n_ids)
         if reason is not None and not cut_by_stop_string:
             # The end of the output: held-back text is no stop string after all, unless the flush completes one.
             scan = scan_stop_strings(seq.held_text + seq.detokenizer.flush(), req.stop_strings)
-            text += scan.emit if scan.stopped else scan.emit + scan.held
+            burst.text.append(scan.emit if scan.stopped else scan.emit + scan.held)
             reason = "stop" if scan.stopped else reason
+        burst.reason = reason
+        return reason is not None
+
+    def _emit(self, seq: _Sequence, burst: _Burst) -> list[Event]:
+        """A burst's events: its tokens (if any), then done if the sequence finished."""
         events: list[Event] = []
-        if ids or text:
-            events.append(TokensEvent(req.seq_id, tuple(ids), text, min(result.n_accepted, len(ids))))
-        if reason is not None:
-            events.append(self._finish(seq, reason))
+        text = "".join(burst.text)
+        if burst.ids or text:
+            events.append(TokensEvent(seq.request.seq_id, tuple(burst.ids), text, burst.n_from_drafts))
+        if burst.reason is not None:
+            events.append(self._finish(seq, burst.reason))
         return events
 
     def _trim_planes(self, seq: _Sequence) -> None:
@@ -485,23 +500,3 @@ class Scheduler:
             completion_tokens=seq.n_generated,
             drafters={name: DraftStats(d, a) for name, (d, a) in seq.draft_stats.items()},
             rollback_steps=dict(seq.rollback_steps), preemptions=seq.preemptions, error=error)
-
-
-def _one_tokens_event_per_sequence(events: list[Event]) -> list[Event]:
-    """Adjacent tokens events of one sequence (its iterations in one step) joined into one: 64 iterations of 16
-    rows would otherwise be 1024 events for the engine to hand to the streams, one by one.
-
-    >>> _one_tokens_event_per_sequence([TokensEvent("a", (1,), "x", 0), TokensEvent("a", (2, 3), "yz", 1),
-    ...                                 TokensEvent("b", (4,), "w", 0)])  # doctest: +NORMALIZE_WHITESPACE
-    [TokensEvent(seq_id='a', token_ids=(1, 2, 3), text='xyz', n_from_drafts=1),
-     TokensEvent(seq_id='b', token_ids=(4,), text='w', n_from_drafts=0)]
-    """
-    joined: list[Event] = []
-    for event in events:
-        last = joined[-1] if joined else None
-        if isinstance(event, TokensEvent) and isinstance(last, TokensEvent) and last.seq_id == event.seq_id:
-            joined[-1] = TokensEvent(event.seq_id, last.token_ids + event.token_ids, last.text + event.text,
-                                     last.n_from_drafts + event.n_from_drafts)  # fmt: skip
-        else:
-            joined.append(event)
-    return joined

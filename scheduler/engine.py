@@ -243,12 +243,12 @@ class Engine:
             n_tokens = row.start + len(row.fed) + len(result.committed)
             if result.more:
                 name = self._loop_drafter(row, choices.get(row.seq_id, ()))[0]
-                continued[row.seq_id] = [Continued(tuple(it.drafts), Committed(tuple(it.committed), it.n_accepted),
+                continued[row.seq_id] = [Continued(tuple(it.drafts), Committed(it.committed, it.n_accepted),
                                                    name if it.drafts else None)
                                          for it in result.more]  # fmt: skip
                 for it in result.more:
-                    self._observe(row.seq_id, name if it.drafts else None, len(it.drafts), it.n_accepted,
-                                  it.committed)  # fmt: skip
+                    if it.drafts:
+                        self._observe(row.seq_id, name, len(it.drafts), it.n_accepted, it.committed)
                     n_tokens += len(it.committed)
             for drafter in self._drafters_of(row):
                 drafter.after_step(row.seq_id, n_tokens, result)
@@ -498,7 +498,7 @@ class Engine:
             if any(owner is drafter for drafter in self.drafters.values()):
                 return f"drafter {owner.name!r}"
             seq = outer.f_locals.get("seq")
-            if outer.f_code.co_name == "_commit" and owner is getattr(seq, "detokenizer", None):
+            if outer.f_code.co_name == "_append" and owner is getattr(seq, "detokenizer", None):
                 return "the detokenizer"
         code = frames[-1].f_code if frames else None
         return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}" if code else "the engine"

@@ -213,7 +213,7 @@ class Committed:
     n_accepted: int
 
     def __post_init__(self):
-        object.__setattr__(self, "tokens", tuple(int(t) for t in self.tokens))
+        object.__setattr__(self, "tokens", tuple(map(int, self.tokens)))
         if not 0 <= self.n_accepted == len(self.tokens) - 1:
             raise ValueError(f"{len(self.tokens)} committed tokens for {self.n_accepted} accepted drafts")
 

@@ -597,11 +597,6 @@ def test_later_iterations_drafting_on_device_are_counted_under_a_name(drafter):
 def test_a_steps_iterations_reach_the_stream_as_one_tokens_event():
     """A row's later iterations in one step are one burst: one tokens event holding every token in order, with
     the accepted drafts summed (events are what the engine hands to the streams, one by one)."""
-    import doctest
-
-    import scheduler.core
-
-    assert doctest.testmod(scheduler.core).failed == 0
     sched = make_scheduler()
     sched.add(Request("a", (1, 2), max_tokens=20, speculative=spec(2, "snapshot")))
     sched.update(sched.schedule(), {"a": Committed((5,), 0)})
@@ -609,6 +604,24 @@ def test_a_steps_iterations_reach_the_stream_as_one_tokens_event():
              Continued((), Committed((10,), 0), "mtp")]  # fmt: skip
     events = sched.update(sched.schedule(), {"a": Committed((6,), 0)}, {"a": later})
     assert events == [TokensEvent("a", (6, 7, 8, 9, 3, 6, 10), events[0].text, 3)]
+
+
+def test_iterations_after_a_stop_token_are_not_the_sequences():
+    """A stop token in a later iteration ends the burst there: the tokens before it in one event, then done; the
+    iterations after it are neither emitted nor counted in the drafter's statistics."""
+    sched = make_scheduler()
+    sched.add(Request("a", (1, 2), max_tokens=20, stop_token_ids=frozenset({4}), speculative=spec(2, "snapshot")))
+    sched.update(sched.schedule(), {"a": Committed((5,), 0)})
+    later = [Continued((7, 8), Committed((7, 8, 9), 2), "mtp"), Continued((3, 4), Committed((3, 4, 6), 2), "mtp"),
+             Continued((11, 12), Committed((11, 12, 13), 2), "mtp")]  # fmt: skip
+    events = sched.update(sched.schedule(), {"a": Committed((6,), 0)}, {"a": later})
+    assert [type(e) for e in events] == [TokensEvent, DoneEvent]
+    assert events[0].token_ids == (6, 7, 8, 9, 3) and events[0].n_from_drafts == 3
+    done = events[1]
+    assert done.finish_reason == "stop" and done.completion_tokens == 7
+    assert dict(done.drafters) == {"mtp": DraftStats(4, 4)}
+    assert (sched.memory.free_pages, sched.memory.free_planes) == (sched.memory.usable_pages,
+                                                                   sched.memory.usable_planes)
 
 
 # ---- stops -------------------------------------------------------------------------------------------------
