@@ -24,16 +24,17 @@ def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array, n_tokens: jax.
     n_tokens: [B] int32     the row's tokens; the rest are padding, which comes out 0
     returns   [B, T, C]
 
-    On CPU a step of more than one token takes the kernel (`kernels.cpu_conv`): XLA's form (`causal_conv_reference`)
-    is a batched dot there, with copies around it, and sums one row of two tokens in another order. At one token
-    XLA fuses it into a multiply-and-reduce, cheaper than the call (plain decoding 1.05-1.08x with the kernel), that sums as the kernel
-    does at the batch buckets the runtime compiles (1, 4, 16, 64; XLA's dot picks its order by shape, and at 2 rows
-    sums otherwise): one FMA per tap from the oldest. So a token's conv is the same bits in a step of any length
-    (tests/test_cpu_conv.py, tests/test_step_invariance.py).
+    On CPU a step of more than one token, or of more than one row, takes the kernel (`kernels.cpu_conv`): XLA's form
+    (`causal_conv_reference`) is a batched dot there, with copies around it, and sums one row of two tokens in
+    another order. At one row of one token XLA fuses it into a multiply-and-reduce, cheaper than the call (plain
+    decoding 1.05-1.08x with the kernel; at 4 and 16 rows the kernel's iterations take 0.93-0.96x, at 64 even),
+    that sums as the kernel does at the batch buckets the runtime compiles (1, 4, 16, 64; XLA's dot picks its order
+    by shape, and at 2 rows sums otherwise): one FMA per tap from the oldest. So a token's conv is the same bits in a
+    step of any length and batch (tests/test_cpu_conv.py, tests/test_step_invariance.py).
     (`cpu_matmul.TARGET_CONV` None: a kernel library without it, as `bench.kernels` builds from older revisions.)
     """
     kernel = jax.default_backend() == "cpu" and cpu_matmul.available() and cpu_matmul.TARGET_CONV is not None
-    if x.shape[1] > 1 and kernel:
+    if (x.shape[0] > 1 or x.shape[1] > 1) and kernel:
         return causal_conv_cpu(prev, x, w_conv, n_tokens)
     return causal_conv_reference(prev, x, w_conv, n_tokens)
 

@@ -108,8 +108,9 @@ def test_malformed_shapes_are_refused():
 @needs_kernel
 @pytest.mark.parametrize("B,C", [(1, 256), (3, 40), (16, 24)])
 def test_the_mixers_conv_is_the_same_bits_token_by_token_as_in_one_step(B, C):
-    """What decoding computes (one token a step, XLA's form, the plane sliding by one input) against verify steps
-    and prompt chunks (several tokens at once: the kernel), for the step lengths the model compiles."""
+    """What decoding computes (one token a step: XLA's form at one row, the kernel at more; the plane sliding by one
+    input) against verify steps and prompt chunks (several tokens at once: the kernel), for the step lengths the
+    model compiles."""
     prev, x, w = _inputs(B, 16, C, 4, seed=11 + B)
     planes = prev
     one_by_one = []
@@ -131,11 +132,12 @@ def test_the_mixers_conv_is_the_same_bits_token_by_token_as_in_one_step(B, C):
 @pytest.mark.parametrize("B", [1, 4, 16, 64])
 @pytest.mark.parametrize("C", [256, 6144, 10240])
 def test_xlas_one_token_form_sums_as_the_kernel_at_the_runtimes_batch_sizes(B, C):
-    """Decoding keeps XLA's one-token form, which must sum in the kernel's order at every batch bucket the runtime
-    compiles (powers of 4) and at real models' channel counts (the bundled model's 256, Qwen3.5-0.8B's 6144, a
-    larger model's 10240). XLA's dot picks its order by shape: at 2 rows of one token it sums otherwise."""
+    """Decoding one row keeps XLA's one-token form (more rows take the kernel), which must sum in the kernel's
+    order, so that a row's bits do not depend on its batch; pinned at every batch bucket the runtime compiles
+    (powers of 4) and at real models' channel counts (the bundled model's 256, Qwen3.5-0.8B's 6144, a larger
+    model's 10240). XLA's dot picks its order by shape: at 2 rows of one token it sums otherwise."""
     prev, x, w = _inputs(B, 1, C, 4, seed=B + C)
-    one_token = np.asarray(jax.jit(causal_conv)(prev, x, w, full(B, 1)))
+    one_token = np.asarray(jax.jit(causal_conv_reference)(prev, x, w, full(B, 1)))
     np.testing.assert_array_equal(one_token, np.asarray(run(prev, x, w)))
 
 

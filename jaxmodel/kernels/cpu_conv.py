@@ -19,7 +19,7 @@ from . import cpu_matmul
 def causal_conv_reference(prev: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array | None = None
                           ) -> jax.Array:
     """The specification, in jnp: silu of the causal depthwise conv over each row's window [prev | x]. XLA's form,
-    which `gdn.causal_conv` takes for one-token steps and off CPU.
+    which `gdn.causal_conv` takes for steps of one row of one token and off CPU.
 
     prev:     [B, C, Kc-1]  a conv plane: the row's Kc-1 earlier raw inputs, oldest first
     x:        [B, T, C]     this step's raw inputs
