@@ -40,7 +40,7 @@ from jaxmodel.kernels import cpu_argmax, cpu_attention, cpu_gdn, cpu_matmul
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLED = "jaxmodel/assets/gdnspec-stdlib-target-q8_0.gguf"
 TARGET_NAMES = ("TARGET", "TARGET_Q8", "TARGET_Q8_PROLOGUE", "TARGET_ATTENTION", "TARGET_ATTENTION_F16", "TARGET_GDN",
-                "TARGET_ARGMAX", "TARGET_CONV")
+                "TARGET_ARGMAX", "TARGET_CONV", "TARGET_CONV_PLANES")
 PATCHED_MODULES = (cpu_matmul, cpu_gdn, cpu_attention, cpu_argmax)
 BASE = "base_"
 missing_in_base: set[str] = set()  # targets the other revision's library lacks (`register_base`)

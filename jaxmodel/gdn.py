@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from .config import ModelConfig
 from .delta_rule import gated_delta_rule, rebuild_states
 from .kernels import cpu_matmul
-from .kernels.cpu_conv import causal_conv_cpu, causal_conv_reference
+from .kernels.cpu_conv import causal_conv_cpu, causal_conv_planes_cpu, causal_conv_reference
 from .layers import Prologued, l2_norm, linear, project
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
@@ -33,10 +33,15 @@ def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array, n_tokens: jax.
     step of any length and batch (tests/test_cpu_conv.py, tests/test_step_invariance.py).
     (`cpu_matmul.TARGET_CONV` None: a kernel library without it, as `bench.kernels` builds from older revisions.)
     """
-    kernel = jax.default_backend() == "cpu" and cpu_matmul.available() and cpu_matmul.TARGET_CONV is not None
-    if (x.shape[0] > 1 or x.shape[1] > 1) and kernel:
+    if _conv_kernel(x, cpu_matmul.TARGET_CONV):
         return causal_conv_cpu(prev, x, w_conv, n_tokens)
     return causal_conv_reference(prev, x, w_conv, n_tokens)
+
+
+def _conv_kernel(x: jax.Array, target: str | None) -> bool:
+    """Whether the conv of x [B, T, C] takes the CPU kernel (`causal_conv`); target: the kernel's FFI target."""
+    kernel = jax.default_backend() == "cpu" and cpu_matmul.available() and target is not None
+    return kernel and (x.shape[0] > 1 or x.shape[1] > 1)
 
 
 def gdn_mixer(
@@ -68,26 +73,33 @@ def gdn_mixer(
         records = jnp.take_along_axis(jnp.concatenate([qkv, g, beta], axis=-1), index[..., None], axis=1)
         replay_pool = scatter_planes(replay_pool, record_slot, records)
 
-    # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first.
-    prev = read_planes(conv_pool, read_plane)  # [B, C, Kc-1]
-    conv = causal_conv(prev, qkv, w.conv, n_tokens)  # [B, T, C]
-    window = jnp.concatenate([prev, jnp.swapaxes(qkv, 1, 2)], axis=2)  # [B, C, Kc-1+T]
+    # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first; the conv state after
+    # token t is the Kc-1 raw inputs ending at t. On CPU the kernel also reads and writes the planes (XLA's gather,
+    # concatenation and scatter around it made a 16-row decoding iteration 1.04-1.06x as long).
+    if final_only:  # only each row's last token writes its state, to the row's last write plane
+        last = n_tokens - 1  # [B]
+        conv_writes = jnp.where(jnp.arange(T)[None, :] == last[:, None], jnp.max(write_planes, axis=1)[:, None], -1)
+    else:
+        conv_writes = write_planes
+    if _conv_kernel(qkv, cpu_matmul.TARGET_CONV_PLANES):
+        conv, conv_pool = causal_conv_planes_cpu(conv_pool, qkv, w.conv, n_tokens, read_plane, conv_writes)
+    else:
+        prev = read_planes(conv_pool, read_plane)  # [B, C, Kc-1]
+        conv = causal_conv(prev, qkv, w.conv, n_tokens)  # [B, T, C]
+        window = jnp.concatenate([prev, jnp.swapaxes(qkv, 1, 2)], axis=2)  # [B, C, Kc-1+T]
+        if final_only:
+            after = jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t + 1, Kc - 1, axis=1))(window, last)
+            conv_pool = scatter_planes(conv_pool, jnp.max(write_planes, axis=1), after)
+        else:
+            after = jnp.stack([window[:, :, j + 1 : j + 1 + T] for j in range(Kc - 1)], axis=-1)  # [B, C, T, Kc-1]
+            after = jnp.swapaxes(after, 1, 2).reshape(B * T, -1, Kc - 1)
+            conv_pool = scatter_planes(conv_pool, write_planes.reshape(B * T), after)
 
     q = l2_norm(conv[..., : Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
     k = l2_norm(conv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, T, Hk, Dk), cfg.norm_eps)
     v = conv[..., 2 * Hk * Dk :].reshape(B, T, Hv, Dk)
     o, ssm_pool = gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only,
                                    n_tokens=n_tokens)
-
-    # The conv state after token t is the Kc-1 raw inputs ending at t: window[:, :, t+1 : t+Kc].
-    if final_only:
-        last = n_tokens - 1  # [B]
-        after = jax.vmap(lambda wnd, t: jax.lax.dynamic_slice_in_dim(wnd, t + 1, Kc - 1, axis=1))(window, last)
-        conv_pool = scatter_planes(conv_pool, jnp.max(write_planes, axis=1), after)
-    else:
-        after = jnp.stack([window[:, :, j + 1 : j + 1 + T] for j in range(Kc - 1)], axis=-1)  # [B, C, T, Kc-1]
-        after = jnp.swapaxes(after, 1, 2).reshape(B * T, -1, Kc - 1)
-        conv_pool = scatter_planes(conv_pool, write_planes.reshape(B * T), after)
 
     o = Prologued("gated_rms_norm", o.reshape(B, T, Hv * Dk), w.norm, z, cfg.norm_eps)
     return linear(o, w.out, live=valid), conv_pool, ssm_pool, replay_pool

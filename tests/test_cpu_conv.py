@@ -145,3 +145,61 @@ def test_dispatch_matches_the_reference_on_any_backend():
     prev, x, w = _inputs(2, 3, 10, 4, seed=5)
     np.testing.assert_allclose(np.asarray(causal_conv(prev, x, w, full(2, 3))),
                                np.asarray(causal_conv_reference(prev, x, w)), rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,T,C,Kc", [(4, 1, 256, 4), (3, 5, 13, 4), (2, 3, 20, 2), (16, 1, 24, 4), (1, 2, 9, 5)])
+def test_the_planes_kernel_reads_and_writes_states_as_the_reference(B, T, C, Kc):
+    """The conv with its state in planes: each row's history read from its plane (one out of range, clamped), the
+    sums as `causal_conv_cpu` computes them from that history (the same bits), and the state after each token
+    written where write_planes says (-1 and planes past the pool: nowhere), bit for bit the reference's. A row
+    writing the plane another row reads still reads it as it was."""
+    N = 2 * B * T + 3
+    rng = np.random.default_rng(B * 100 + T)
+    planes = jnp.asarray(rng.standard_normal((N, C, Kc - 1)), jnp.float32)
+    _, x, w = _inputs(B, T, C, Kc, seed=B + C)
+    n_tokens = jnp.asarray(rng.integers(0, T + 1, B), jnp.int32).at[0].set(T)
+    read_plane = jnp.asarray(rng.integers(0, N, B), jnp.int32).at[-1].set(N + 5)
+    write_planes = rng.permutation(N)[: B * T].reshape(B, T).astype(np.int32)
+    write_planes[0, -1] = -1
+    write_planes[-1, 0] = N + 1
+    if B > 1:
+        write_planes[1, 0] = int(read_plane[0])  # row 1 writes what row 0 reads
+    write_planes = jnp.asarray(write_planes)
+    from jaxmodel.kernels.cpu_conv import causal_conv_planes_cpu, causal_conv_planes_reference
+
+    out, written = jax.jit(causal_conv_planes_cpu)(planes, x, w, n_tokens, read_plane, write_planes)
+    ref_out, ref_written = causal_conv_planes_reference(planes, x, w, n_tokens, read_plane, write_planes)
+    np.testing.assert_array_equal(np.asarray(written), np.asarray(ref_written))
+    prev = planes[jnp.clip(read_plane, 0, N - 1)]
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(run(prev, x, w, n_tokens)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-6, atol=2e-6)
+
+
+@needs_kernel
+def test_the_planes_kernels_gradient_is_the_references():
+    from jaxmodel.kernels.cpu_conv import causal_conv_planes_cpu, causal_conv_planes_reference
+
+    planes = jnp.asarray(np.random.default_rng(3).standard_normal((5, 12, 3)), jnp.float32)
+    _, x, w = _inputs(2, 4, 12, 4, seed=9)
+    n, read, write = full(2, 4).at[1].set(3), jnp.asarray([1, 4]), jnp.asarray([[0, -1, 2, -1], [-1, 3, -1, -1]])
+
+    def loss(f):
+        def value(planes, x, w):
+            out, written = f(planes, x, w, n, read, write)
+            return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.cos(written))
+        return jax.grad(value, argnums=(0, 1, 2))(planes, x, w)
+
+    for got, want in zip(loss(causal_conv_planes_cpu), loss(causal_conv_planes_reference), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_planes_kernel_refuses_malformed_shapes():
+    from jaxmodel.kernels.cpu_conv import causal_conv_planes_cpu
+
+    planes, x, w = jnp.zeros((4, 8, 3)), jnp.zeros((2, 1, 8)), jnp.zeros((8, 4))
+    with pytest.raises(ValueError, match="disagree"):
+        causal_conv_planes_cpu(planes[:, :, :2], x, w, full(2, 1), jnp.zeros(2, jnp.int32), jnp.zeros((2, 1), jnp.int32))
+    with pytest.raises(ValueError, match="are not"):
+        causal_conv_planes_cpu(planes, x, w, full(2, 1), jnp.zeros(3, jnp.int32), jnp.zeros((2, 1), jnp.int32))

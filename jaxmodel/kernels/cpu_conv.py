@@ -4,8 +4,11 @@ token), so a channel's value is the same bits in a decoding step, a verify step,
 and replay's rebuild (which convolves some channels alone). Differentiable: its VJP is the reference's (training runs
 the same model code on CPU).
 
-Built with the other CPU kernels (`cpu_matmul.build`, `cpu_matmul.available`); `jaxmodel.gdn.causal_conv` takes it
-on CPU where they are available, for steps of more than one token. Tests: tests/test_cpu_conv.py.
+`causal_conv_planes_cpu` is the same conv reading each row's history from the GDN mixer's conv planes and writing
+the state after each token back in place, as `causal_conv_planes_reference` does in jnp.
+
+Built with the other CPU kernels (`cpu_matmul.build`, `cpu_matmul.available`); `jaxmodel.gdn` takes it on CPU where
+they are available, for steps of more than one token or row. Tests: tests/test_cpu_conv.py.
 """
 
 from __future__ import annotations
@@ -89,3 +92,80 @@ def _backward(args, cotangent):
 
 
 _differentiable.defvjp(_forward, _backward)
+
+
+def causal_conv_planes_reference(planes: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array,
+                                 read_plane: jax.Array, write_planes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The conv with its state in planes, in jnp: each row reads its history from a plane and stores the state after
+    each of its tokens in another, as the GDN mixer keeps its conv state.
+
+    planes:       [N, C, Kc-1]  conv planes: a row's Kc-1 latest raw inputs, oldest first
+    x:            [B, T, C]     this step's raw inputs
+    w:            [C, Kc]       taps, oldest first
+    n_tokens:     [B] int       the row's tokens; the rest are padding
+    read_plane:   [B] int       the plane holding the row's history (clamped into [0, N))
+    write_planes: [B, T] int    where the state after token t goes; outside [0, N): nowhere
+    returns       (out [B, T, C] as `causal_conv_reference`, planes with the written states)
+    """
+    N, T, Kc = planes.shape[0], x.shape[1], w.shape[1]
+    prev = planes[jnp.clip(read_plane, 0, N - 1)]  # [B, C, Kc-1]
+    window = jnp.concatenate([prev, jnp.swapaxes(x, 1, 2).astype(planes.dtype)], axis=2)  # [B, C, Kc-1+T]
+    after = jnp.stack([window[:, :, t + 1 : t + Kc] for t in range(T)], axis=1)  # [B, T, C, Kc-1]
+    targets = jnp.where((write_planes < 0) | (write_planes >= N), N, write_planes).reshape(-1)
+    planes = planes.at[targets].set(after.reshape(-1, *planes.shape[1:]), mode="drop")
+    return causal_conv_reference(prev, x, w, n_tokens), planes
+
+
+def causal_conv_planes_cpu(planes: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array,
+                           read_plane: jax.Array, write_planes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`causal_conv_planes_reference` by the CPU kernel (requires `cpu_matmul.available()`), float32: the history
+    read from its plane, the sums as `causal_conv_cpu` computes them (the same bits), the states written in place,
+    without XLA's gather, concatenation and scatter around the conv. Every row reads its plane before any row
+    writes. Differentiable (the reference's VJP)."""
+    if planes.ndim != 3 or x.ndim != 3 or w.ndim != 2:
+        raise ValueError(f"causal_conv_planes_cpu takes planes [N, C, Kc-1], x [B, T, C], w [C, Kc]; got "
+                         f"{planes.shape}, {x.shape}, {w.shape}")
+    B, T, C = x.shape
+    if planes.shape[1:] != (C, w.shape[1] - 1) or w.shape[0] != C:
+        raise ValueError(f"causal_conv_planes_cpu: planes {planes.shape}, x {x.shape} and w {w.shape} disagree "
+                         f"(planes [N, C, Kc-1], x [B, T, C], w [C, Kc])")
+    if jnp.shape(n_tokens) != (B,) or jnp.shape(read_plane) != (B,) or jnp.shape(write_planes) != (B, T):
+        raise ValueError(f"causal_conv_planes_cpu: n_tokens {jnp.shape(n_tokens)}, read_plane "
+                         f"{jnp.shape(read_plane)} and write_planes {jnp.shape(write_planes)} are not [B], [B] and "
+                         f"[B, T] = [{B}], [{B}], [{B}, {T}]")
+    i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
+    sums, planes = _planes_differentiable(planes.astype(jnp.float32), x.astype(jnp.float32),
+                                          w.astype(jnp.float32), i32(n_tokens), i32(read_plane), i32(write_planes))
+    return jax.nn.silu(sums), planes
+
+
+def _planes_call(planes, x, w, n_tokens, read_plane, write_planes):
+    out = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(planes.shape, jnp.float32))
+    return jax.ffi.ffi_call(cpu_matmul.TARGET_CONV_PLANES, out, vmap_method="sequential",
+                            input_output_aliases={0: 1})(planes, x, w, n_tokens, read_plane, write_planes)
+
+
+def _planes_sums_reference(planes, x, w, n_tokens, read_plane, write_planes):
+    """The kernel's results in jnp: the sums (not their silu) and the planes."""
+    prev = planes[jnp.clip(read_plane, 0, planes.shape[0] - 1)]
+    sums = jnp.where(_live(n_tokens, x)[..., None], _conv_sums(prev, x, w), 0.0)
+    return sums, causal_conv_planes_reference(planes, x, w, n_tokens, read_plane, write_planes)[1]
+
+
+@jax.custom_vjp
+def _planes_differentiable(planes, x, w, n_tokens, read_plane, write_planes):
+    return _planes_call(planes, x, w, n_tokens, read_plane, write_planes)
+
+
+def _planes_forward(planes, x, w, n_tokens, read_plane, write_planes):
+    args = (planes, x, w, n_tokens, read_plane, write_planes)
+    return _planes_call(*args), args
+
+
+def _planes_backward(args, cotangents):
+    planes, x, w, n_tokens, read_plane, write_planes = args
+    _, vjp = jax.vjp(lambda p, x, w: _planes_sums_reference(p, x, w, n_tokens, read_plane, write_planes), planes, x, w)
+    return (*vjp(cotangents), None, None, None)
+
+
+_planes_differentiable.defvjp(_planes_forward, _planes_backward)

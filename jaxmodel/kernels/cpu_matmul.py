@@ -57,6 +57,7 @@ TARGET_ATTENTION_F16 = "gdnspec_paged_attention_f16"
 TARGET_GDN = "gdnspec_gdn_recurrent"
 TARGET_ARGMAX = "gdnspec_argmax_rows"
 TARGET_CONV = "gdnspec_causal_conv"
+TARGET_CONV_PLANES = "gdnspec_causal_conv_planes"
 Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
 Q8_ROW_GROUP = 8  # rows the Q8_0 product's weights interleave, one per vector lane (cpu_matmul.cc, "Q8_0")
 Q8_QUAD = 4  # bytes of a row side by side in the interleaved order
@@ -135,7 +136,7 @@ def available() -> bool:
         log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
     for target in (TARGET, TARGET_Q8, TARGET_Q8_PROLOGUE, TARGET_ATTENTION, TARGET_ATTENTION_F16, TARGET_GDN,
-                   TARGET_ARGMAX, TARGET_CONV):
+                   TARGET_ARGMAX, TARGET_CONV, TARGET_CONV_PLANES):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 
