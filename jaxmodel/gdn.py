@@ -81,7 +81,7 @@ def gdn_mixer(
         conv_writes = jnp.where(jnp.arange(T)[None, :] == last[:, None], jnp.max(write_planes, axis=1)[:, None], -1)
     else:
         conv_writes = write_planes
-    if _conv_kernel(qkv, cpu_matmul.TARGET_CONV_PLANES):
+    if _conv_kernel(qkv, cpu_matmul.TARGET_CONV_PLANES) and conv_pool.dtype == jnp.float32:
         conv, conv_pool = causal_conv_planes_cpu(conv_pool, qkv, w.conv, n_tokens, read_plane, conv_writes)
     else:
         prev = read_planes(conv_pool, read_plane)  # [B, C, Kc-1]
