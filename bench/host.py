@@ -18,7 +18,7 @@ import time
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler.core import Scheduler
 from scheduler.memory import MemoryManager, PoolSizes
-from scheduler.types import Committed, Continued, Request
+from scheduler.types import Committed, Continued, Request, TokensEvent
 
 from . import run_and_save
 from .speculation import DEFAULT_MODEL
@@ -43,7 +43,7 @@ def update_seconds(tokenizer, n_rows: int, n_iterations: int, seed: int) -> floa
     start = time.perf_counter()
     events = scheduler.update(plan, committed, continued)
     seconds = time.perf_counter() - start
-    n_tokens = sum(len(e.token_ids) for e in events if hasattr(e, "token_ids"))
+    n_tokens = sum(len(e.token_ids) for e in events if isinstance(e, TokensEvent))
     if n_tokens != n_rows * n_iterations:
         raise AssertionError(f"{n_tokens} tokens emitted for {n_rows} rows x {n_iterations} iterations")
     return seconds

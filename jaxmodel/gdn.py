@@ -76,13 +76,13 @@ def gdn_mixer(
     # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first; the conv state after
     # token t is the Kc-1 raw inputs ending at t. On CPU the kernel also reads and writes the planes (XLA's gather,
     # concatenation and scatter around it made a 16-row decoding iteration 1.04-1.06x as long).
-    if final_only:  # only each row's last token writes its state, to the row's last write plane
-        last = n_tokens - 1  # [B]
-        conv_writes = jnp.where(jnp.arange(T)[None, :] == last[:, None], jnp.max(write_planes, axis=1)[:, None], -1)
-    else:
-        conv_writes = write_planes
+    last = n_tokens - 1  # [B]
     if _conv_kernel(qkv, cpu_matmul.TARGET_CONV_PLANES) and conv_pool.dtype == jnp.float32:
-        conv, conv_pool = causal_conv_planes_cpu(conv_pool, qkv, w.conv, n_tokens, read_plane, conv_writes)
+        if final_only:  # only each row's last token writes its state, to the row's last write plane
+            writes = jnp.where(jnp.arange(T)[None, :] == last[:, None], jnp.max(write_planes, axis=1)[:, None], -1)
+        else:
+            writes = write_planes
+        conv, conv_pool = causal_conv_planes_cpu(conv_pool, qkv, w.conv, n_tokens, read_plane, writes)
     else:
         prev = read_planes(conv_pool, read_plane)  # [B, C, Kc-1]
         conv = causal_conv(prev, qkv, w.conv, n_tokens)  # [B, T, C]

@@ -107,13 +107,19 @@ def causal_conv_planes_reference(planes: jax.Array, x: jax.Array, w: jax.Array, 
     write_planes: [B, T] int    where the state after token t goes; outside [0, N): nowhere
     returns       (out [B, T, C] as `causal_conv_reference`, planes with the written states)
     """
+    sums, planes = _planes_sums(planes, x, w, n_tokens, read_plane, write_planes)
+    return jax.nn.silu(sums), planes  # silu(0) = 0: padding stays 0
+
+
+def _planes_sums(planes, x, w, n_tokens, read_plane, write_planes):
+    """The planes kernel's results in jnp: the sums (0 at padding; not their silu) and the planes written."""
     N, T, Kc = planes.shape[0], x.shape[1], w.shape[1]
     prev = planes[jnp.clip(read_plane, 0, N - 1)]  # [B, C, Kc-1]
     window = jnp.concatenate([prev, jnp.swapaxes(x, 1, 2).astype(planes.dtype)], axis=2)  # [B, C, Kc-1+T]
     after = jnp.stack([window[:, :, t + 1 : t + Kc] for t in range(T)], axis=1)  # [B, T, C, Kc-1]
     targets = jnp.where((write_planes < 0) | (write_planes >= N), N, write_planes).reshape(-1)
     planes = planes.at[targets].set(after.reshape(-1, *planes.shape[1:]), mode="drop")
-    return causal_conv_reference(prev, x, w, n_tokens), planes
+    return jnp.where(_live(n_tokens, x)[..., None], _conv_sums(prev, x, w), 0.0), planes
 
 
 def causal_conv_planes_cpu(planes: jax.Array, x: jax.Array, w: jax.Array, n_tokens: jax.Array,
@@ -145,13 +151,6 @@ def _planes_call(planes, x, w, n_tokens, read_plane, write_planes):
                             input_output_aliases={0: 1})(planes, x, w, n_tokens, read_plane, write_planes)
 
 
-def _planes_sums_reference(planes, x, w, n_tokens, read_plane, write_planes):
-    """The kernel's results in jnp: the sums (not their silu) and the planes."""
-    prev = planes[jnp.clip(read_plane, 0, planes.shape[0] - 1)]
-    sums = jnp.where(_live(n_tokens, x)[..., None], _conv_sums(prev, x, w), 0.0)
-    return sums, causal_conv_planes_reference(planes, x, w, n_tokens, read_plane, write_planes)[1]
-
-
 @jax.custom_vjp
 def _planes_differentiable(planes, x, w, n_tokens, read_plane, write_planes):
     return _planes_call(planes, x, w, n_tokens, read_plane, write_planes)
@@ -164,7 +163,7 @@ def _planes_forward(planes, x, w, n_tokens, read_plane, write_planes):
 
 def _planes_backward(args, cotangents):
     planes, x, w, n_tokens, read_plane, write_planes = args
-    _, vjp = jax.vjp(lambda p, x, w: _planes_sums_reference(p, x, w, n_tokens, read_plane, write_planes), planes, x, w)
+    _, vjp = jax.vjp(lambda p, x, w: _planes_sums(p, x, w, n_tokens, read_plane, write_planes), planes, x, w)
     return (*vjp(cotangents), None, None, None)
 
 
