@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench peer gpu-check clean
+.PHONY: serve test bench peer gpu-check gpu-quick gpu-wheels clean
 
 $(STAMP): pyproject.toml $(wildcard jaxmodel/kernels/*.cc jaxmodel/kernels/*.h)
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,19 @@ gpu-check:
 	$(GPU_PYTHON) -m bench.step --model $(GPU_MODEL) --batches 1,8,32 --verify-t 1,4,8 --out $(GPU_OUT)/step-0.8b.json
 	$(GPU_PYTHON) -m bench.engine --model $(GPU_MODEL) --concurrency 1,32 --out $(GPU_OUT)/engine-0.8b.json
 	$(GPU_PYTHON) -m bench.speculation --streams 1,32 --out $(GPU_OUT)/speculation.json
+
+# The few GPU measurements needed next, within a time budget (bench/gpu_quick.sh): GPU_BUDGET seconds in all.
+GPU_BUDGET ?= 540
+gpu-quick:
+	GPU_PYTHON=$(GPU_PYTHON) bench/gpu_quick.sh $(GPU_OUT) $(GPU_BUDGET)
+
+# Wheels for a GPU machine's Python 3.12 that has JAX but not these (carried there in .whl/, installed by gpu-quick).
+GPU_WHEELS := msgspec==0.22.0 gguf==0.19.0 websockets==17.4
+gpu-wheels: $(STAMP)
+	rm -f .whl/*.whl  # one version of each: pip refuses two
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--platform any -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
