@@ -91,7 +91,7 @@ def run(args) -> dict:
         synthetic = SyntheticDrafter([], alpha=args.synthetic_alpha, vocab=model.cfg.n_vocab, seed=0)
     out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-           "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
+           "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max, "p_min": args.p_min,
            "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha,
            "kv_dtype": args.kv_dtype, "cells": []}  # fmt: skip
 
@@ -112,7 +112,8 @@ def run(args) -> dict:
                 for round_ in range(args.repeats + 1):  # round 0 lets the policy's estimates settle, untimed
                     for policy, mode in cells:
                         drafters = tuple(d for d in policy.split(",") if d and d != "plain")
-                        spec = SpeculativeConfig(drafters, n_max=args.n_max, rollback=mode) if drafters else None
+                        spec = (SpeculativeConfig(drafters, n_max=args.n_max, p_min=args.p_min, rollback=mode)
+                                if drafters else None)
                         requests = [GenerationRequest(p, args.max_tokens, speculative=spec) for p in prompts]
                         if n_streams > len(requests):
                             requests = [requests[i % len(requests)] for i in range(n_streams)]
@@ -174,6 +175,8 @@ def workload_arguments(parser: argparse.ArgumentParser, drafters: str) -> None:
     parser.add_argument("--drafters", default=drafters, help="drafter sets separated by ';' (plain: none)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--n-max", type=int, default=3)
+    parser.add_argument("--p-min", type=float, default=0.0,
+                        help="draft probability below which a chain stops (the request's p_min)")
 
 
 def main(argv=None) -> dict:
