@@ -277,7 +277,8 @@ def _make_random(args) -> int:
 BENCHMARKS = {"step": "bench.step", "engine": "bench.engine", "speculation": "bench.speculation",
               "iterations": "bench.iterations", "iteration-cost": "bench.iteration_cost", "mixed": "bench.mixed",
               "peer": "bench.peer", "attention": "bench.attention", "q8-product": "bench.q8_product",
-              "kernels": "bench.kernels", "host": "bench.host"}
+              "kernels": "bench.kernels", "host": "bench.host",
+              "replicas": "bench.replicas"}
 
 
 def _bench(args) -> int:

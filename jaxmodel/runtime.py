@@ -132,8 +132,17 @@ class Shapes:
     max_tokens: int  # tokens per row (a prompt chunk, or replays + last + drafts)
     max_logit_rows: int  # 1 + the longest draft
     pages_per_row: int
+    # The batch sizes compiled, ascending, the last at least max_rows; empty: the powers of 4 up to max_rows'.
+    row_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        buckets = self.row_buckets
+        if buckets and (list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] < self.max_rows):
+            raise ValueError(f"row_buckets {buckets} must ascend from 1 or more to at least max_rows {self.max_rows}")
 
     def batch(self, n_rows: int) -> int:
+        if self.row_buckets:
+            return next((b for b in self.row_buckets if b >= n_rows), self.row_buckets[-1])
         return min(bucket(n_rows, base=4), bucket(self.max_rows, base=4))
 
     def tokens(self, n_tokens: int) -> int:

@@ -42,9 +42,11 @@ def _first_rows_logits(model, n_rows: int) -> np.ndarray:
 
 
 def test_a_rows_logits_do_not_depend_on_its_batch():
+    """At the runtime's batch buckets (1, 4, 16) and at 8 rows, the bucket of a runtime serving half of 16 rows
+    beside another (`Shapes.row_buckets`, `bench/replicas.py`)."""
     model = load_model(default_model_path())
     alone = _first_rows_logits(model, 1)
-    for n_rows in (4, 16):
+    for n_rows in (4, 8, 16):
         np.testing.assert_array_equal(_first_rows_logits(model, n_rows), alone, err_msg=f"{n_rows} rows")
 
 

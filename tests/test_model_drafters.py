@@ -186,6 +186,17 @@ def test_rows_are_padded_to_1_4_8_16_tokens_then_powers_of_4():
     assert Shapes(max_rows=1, max_tokens=6, max_logit_rows=6, pages_per_row=2).tokens(5) == 6
 
 
+def test_row_buckets_replace_the_powers_of_4():
+    """A runtime serving half of 16 rows beside another compiles 1, 4 and 8 rows (`bench/replicas.py`), not 16."""
+    shapes = Shapes(max_rows=8, max_tokens=4, max_logit_rows=1, pages_per_row=2, row_buckets=(1, 4, 8))
+    assert [shapes.batch(n) for n in range(1, 9)] == [1, 4, 4, 4, 8, 8, 8, 8]
+    assert sorted({B for B, _, _, _ in shapes.grid()}) == [1, 4, 8]
+    assert Shapes(max_rows=8, max_tokens=4, max_logit_rows=1, pages_per_row=2).batch(5) == 16
+    for wrong in [(4, 1, 8), (1, 4), (0, 8), (1, 4, 4, 8)]:
+        with pytest.raises(ValueError, match="row_buckets"):
+            Shapes(max_rows=8, max_tokens=4, max_logit_rows=1, pages_per_row=2, row_buckets=wrong)
+
+
 def test_a_write_cost_within_the_steps_noise_counts_as_none():
     """Snapshot's writes are priced by paired differences of two step times; on a shared machine those differ by
     tens of milliseconds either way, and auto must not trade snapshot for replay over that noise. Writes that slow

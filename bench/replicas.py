@@ -1,0 +1,135 @@
+"""Decoding throughput of one runtime of R rows against N runtimes of R / N rows each whose calls run side by side,
+one Python thread each (data parallelism over the cores instead of splitting each operation over them). On a
+2-core CPU a 16-row iteration's XLA operations run on one core while the other waits ("A 16-row iteration's
+serial work" in the README); two 8-row runtimes keep both cores on their own work. Each runtime loops calls of
+plain decoding from the same prefilled rows (the state restored by writing the same planes each call), and each
+row's tokens are checked equal between the two forms. Writes JSON.
+
+    gdnspec bench replicas --rows 16 --replicas 2 --rounds 5 --out bench/results/replicas-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import threading
+import time
+
+import jax
+
+from jaxmodel import load_model
+from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
+from jaxmodel.state import Row
+from jaxmodel.tokenizer import load_tokenizer
+
+from . import run_and_save
+from .prompts import load_prompt_set
+from .speculation import model_arguments
+
+PAGE_SIZE = 16
+PLANES_PER_ROW = 6
+
+
+def replica_buckets(rows: int) -> tuple[int, ...]:
+    """The batch sizes a runtime of `rows` rows compiles when it is one of several: the powers of 4 below `rows`,
+    then `rows` itself, so that it never pads to the next power of 4.
+
+    >>> replica_buckets(8), replica_buckets(4), replica_buckets(1)
+    ((1, 4, 8), (1, 4), (1,))
+    """
+    buckets, size = [], 1
+    while size < rows:
+        buckets.append(size)
+        size *= 4
+    return (*buckets, rows)
+
+
+class Replica:
+    """A runtime and its decoding rows, prefilled from `prompts`: `call()` runs one looping call over all of them
+    from the same starting state and returns each row's tokens."""
+
+    def __init__(self, model, prompts: list[list[int]], iterations: int, row_buckets: tuple[int, ...] = ()):
+        n_rows = len(prompts)
+        per_row = -(-(max(len(p) for p in prompts) + iterations + 8) // PAGE_SIZE)
+        self.runtime = Runtime(model, n_pages=n_rows * per_row + 2, n_planes=n_rows * PLANES_PER_ROW + 2,
+                               page_size=PAGE_SIZE, max_iterations=iterations,
+                               shapes=Shapes(max_rows=n_rows, max_tokens=256, max_logit_rows=1, pages_per_row=per_row,
+                                             row_buckets=row_buckets))  # fmt: skip
+        self.iterations = iterations
+        self.rows = []
+        for i, prompt in enumerate(prompts):
+            pages = list(range(1 + i * per_row, 1 + (i + 1) * per_row))
+            base = 1 + PLANES_PER_ROW * i
+            prefill = Row(prompt, 0, pages, 0, [-1] * (len(prompt) - 1) + [base], [len(prompt) - 1])
+            first = self.runtime.step([StepRow(prefill, n_chain=-1)])[0].committed[0]
+            loop = RowLoop(0, tuple(range(base, base + PLANES_PER_ROW - 1)), budget=10**6)
+            self.rows.append(StepRow(Row([first], len(prompt), pages, base, [base + 1], [0]), loop=loop, n_chain=-1))
+
+    def call(self) -> list[list[int]]:
+        results = self.runtime.step(self.rows, iterations=self.iterations)
+        return [r.committed + [t for it in r.more for t in it.committed] for r in results]
+
+
+def row_iterations_per_second(replicas: list[Replica], seconds: float) -> float:
+    """Row-iterations a second of `replicas` looping their calls side by side, a thread each, for `seconds`."""
+    calls = [0] * len(replicas)
+    stop = time.perf_counter() + seconds
+
+    def loop(i: int) -> None:
+        while time.perf_counter() < stop:
+            replicas[i].call()
+            calls[i] += 1
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(replicas))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    return sum(n * len(r.rows) * r.iterations for n, r in zip(calls, replicas)) / elapsed
+
+
+def run(args) -> dict:
+    if args.rows % args.replicas:
+        raise SystemExit(f"--rows {args.rows} is not a multiple of --replicas {args.replicas}")
+    model = load_model(args.model)
+    tokenizer = load_tokenizer(args.model)
+    texts = load_prompt_set(args.prompts)
+    prompts = [list(tokenizer.encode(texts[i % len(texts)])) for i in range(args.rows)]
+    per_replica = args.rows // args.replicas
+    whole = Replica(model, prompts, args.iterations)
+    parts = [Replica(model, prompts[i * per_replica:(i + 1) * per_replica], args.iterations,
+                     replica_buckets(per_replica)) for i in range(args.replicas)]  # fmt: skip
+    tokens_whole = whole.call()
+    tokens_parts = [tokens for part in parts for tokens in part.call()]
+    out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
+           "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), "rows": args.rows,
+           "replicas": args.replicas, "iterations": args.iterations, "seconds": args.seconds,
+           "tokens_equal": tokens_whole == tokens_parts, "rounds": []}  # fmt: skip
+    for round_ in range(args.rounds):
+        one = row_iterations_per_second([whole], args.seconds)
+        side_by_side = row_iterations_per_second(parts, args.seconds)
+        out["rounds"].append({"one": one, "replicas": side_by_side, "ratio": side_by_side / one})
+        print(f"round {round_}: one runtime of {args.rows} rows {one:.0f} row-iterations/s, {args.replicas} of "
+              f"{per_replica} side by side {side_by_side:.0f} ({side_by_side / one:.2f}x)", flush=True)
+    out["ratio"] = statistics.median(r["ratio"] for r in out["rounds"])
+    print(f"median {out['ratio']:.2f}x; each row's tokens equal in both forms: {out['tokens_equal']}")
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="gdnspec bench replicas", description=__doc__.split("\n\n")[0])
+    model_arguments(parser)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=32, help="iterations per call")
+    parser.add_argument("--seconds", type=float, default=5.0, help="of looping calls per form and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    return run_and_save(run, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
