@@ -37,6 +37,7 @@ def _build_engine(args):
     from jaxmodel import load_model
     from jaxmodel.tokenizer import load_tokenizer
     from scheduler.engine import DEFAULT_ITERATIONS, DEFAULT_MAX_CALL_SECONDS, Engine
+    from scheduler.replicas import Replicas
 
     model_path, draft_path = _model_paths(args)
     try:  # a file that cannot serve is the user's to fix: one line naming it and what is wrong, no traceback
@@ -48,14 +49,18 @@ def _build_engine(args):
             draft = load_model(draft_path, load_mtp=False, weight_dtype=args.weight_dtype)
     except ValueError as exc:  # ModelFormatError, or a draft model of another vocabulary
         raise SystemExit(f"gdnspec: cannot load the model: {exc}") from None
-    engine = Engine(
-        model, tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
+    engine_args = dict(
+        tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
         adaptive=not args.fixed_policy, iterations=args.iterations or DEFAULT_ITERATIONS, draft_vocab=args.draft_vocab,
         max_call_seconds=DEFAULT_MAX_CALL_SECONDS if args.max_call_ms is None else args.max_call_ms / 1e3 or None,
         kv_dtype=args.kv_dtype,
     )  # fmt: skip
-    return engine, tokenizer
+    if args.replicas < 1:
+        raise SystemExit(f"gdnspec: --replicas {args.replicas}: at least 1")
+    if args.replicas > 1:
+        return Replicas.build(model, args.replicas, **engine_args), tokenizer
+    return Engine(model, **engine_args), tokenizer
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -63,6 +68,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="a small GGUF of the same vocabulary, for the draft_model drafter")
     p.add_argument("--budget-mb", type=float, default=256, help="KV pages + GDN planes of the target")
     p.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engines serving side by side, each with its share of --max-seqs and --budget-mb (on a CPU "
+                        "of 2 cores, 2 decode many streams faster; README, \"Two engines side by side\")")
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per sequence")
     p.add_argument("--max-n-max", type=int, default=16, help="longest draft any request may ask for")
     p.add_argument("--fixed-policy", action="store_true",

@@ -30,6 +30,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from scheduler import DoneEvent, Engine, GenerationRequest, RequestTiming, TokensEvent
+from scheduler.replicas import Replicas
 
 from .chat import ChatTemplateError, render_chat
 from .protocol import (Cancel, Connection, Done, DrafterStats, Error, Failure, GenerateRequest, RollbackSteps,
@@ -85,7 +86,7 @@ def resident_bytes() -> int:
         return 0
 
 
-def limited_to(settings: ServerSettings, engine: Engine) -> ServerSettings:
+def limited_to(settings: ServerSettings, engine: Engine | Replicas) -> ServerSettings:
     """`settings` with limits no wider than the engine serves: its drafters, its longest draft, its context (a
     prompt leaves room for one token) and its vocabulary. The protocol checks requests against the limits alone,
     so what it accepts the engine serves as asked. ValueError when the limits name another vocabulary or the
@@ -96,7 +97,7 @@ def limited_to(settings: ServerSettings, engine: Engine) -> ServerSettings:
     limits = msgspec.structs.replace(
         lim, known_drafters=tuple(name for name in lim.known_drafters if name in engine.drafters),
         max_n_max=min(lim.max_n_max, engine.n_max),
-        max_prompt_tokens=min(lim.max_prompt_tokens, engine.scheduler.max_model_len - 1), vocab_size=vocab)
+        max_prompt_tokens=min(lim.max_prompt_tokens, engine.max_model_len - 1), vocab_size=vocab)
     narrowed = [f"{name} {getattr(limits, name)}" for name in ("known_drafters", "max_n_max", "max_prompt_tokens")
                 if getattr(limits, name) != getattr(lim, name)]
     if narrowed:
@@ -133,10 +134,10 @@ class _Client:
 
 
 class Server:
-    """Serves an engine over websockets. `tokenizer` turns prompts and chat messages into ids; `settings` are
-    held to what the engine serves (`limited_to`)."""
+    """Serves an engine (or `Replicas` of one) over websockets. `tokenizer` turns prompts and chat messages into
+    ids; `settings` are held to what the engine serves (`limited_to`)."""
 
-    def __init__(self, engine: Engine, tokenizer, settings: ServerSettings, access: Access = Access(),
+    def __init__(self, engine: Engine | Replicas, tokenizer, settings: ServerSettings, access: Access = Access(),
                  shutdown_grace_s: float = SHUTDOWN_GRACE_S):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -168,17 +169,16 @@ class Server:
 
     def stats(self) -> Stats:
         """The counts a `stats` request gets."""
-        memory, scheduler = self.engine.memory, self.engine.scheduler
-        return Stats(connections=len(self.clients), requests_running=scheduler.n_running,
-                     requests_waiting=scheduler.n_waiting, requests_in_flight=self.n_requests,
-                     pages_free=memory.free_pages, pages_total=memory.usable_pages, planes_free=memory.free_planes,
-                     planes_total=memory.usable_planes, steps=self.engine.steps,
+        load = self.engine.load()
+        return Stats(connections=len(self.clients), requests_running=load.running, requests_waiting=load.waiting,
+                     requests_in_flight=self.n_requests, pages_free=load.pages_free, pages_total=load.pages_total,
+                     planes_free=load.planes_free, planes_total=load.planes_total, steps=self.engine.steps,
                      rss_bytes=resident_bytes())  # fmt: skip
 
     @property
     def max_requests(self) -> int:
         """Requests the server holds at once: those the engine runs plus max_queued waiting."""
-        return self.engine.scheduler.max_running + self.settings.limits.max_queued
+        return self.engine.max_running + self.settings.limits.max_queued
 
     async def handle(self, ws: ServerConnection) -> None:
         send, receive = anyio.create_memory_object_stream(OUTBOUND_FRAMES)

@@ -1,11 +1,14 @@
 """Decoding throughput of one runtime of R rows against N runtimes of R / N rows each whose calls run side by side,
-one Python thread each (data parallelism over the cores instead of splitting each operation over them). On a
-2-core CPU a 16-row iteration's XLA operations run on one core while the other waits ("A 16-row iteration's
-serial work" in the README); two 8-row runtimes keep both cores on their own work. Each runtime loops calls of
-plain decoding from the same prefilled rows (the state restored by writing the same planes each call), and each
-row's tokens are checked equal between the two forms. Writes JSON.
+one Python thread each (data parallelism over the cores instead of splitting each operation over them), then the
+same for whole engines: one `Engine` against `Replicas` of N serving R streams. On a 2-core CPU a 16-row
+iteration's XLA operations run on one core while the other waits ("A 16-row iteration's serial work" in the
+README); two 8-row runtimes keep both cores on their own work.
 
-    gdnspec bench replicas --rows 16 --replicas 2 --rounds 5 --out bench/results/replicas-cpu.json
+The runtimes loop calls of plain decoding from the same prefilled rows (the state restored by writing the same
+planes each call); the engines serve R requests of the code prompts at once, rounds alternating between the two
+forms, in one process. Each row's and each request's tokens are checked equal between the forms. Writes JSON.
+
+    gdnspec bench replicas --rows 16 --replicas 2 --rounds 5 --engine-rounds 7 --out bench/results/replicas-cpu.json
 """
 
 from __future__ import annotations
@@ -20,30 +23,18 @@ import time
 import jax
 
 from jaxmodel import load_model
-from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
+from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow, share_buckets
 from jaxmodel.state import Row
 from jaxmodel.tokenizer import load_tokenizer
+from scheduler import Engine, GenerationRequest
+from scheduler.replicas import Replicas
 
 from . import run_and_save
 from .prompts import load_prompt_set
-from .speculation import model_arguments
+from .speculation import _run, model_arguments
 
 PAGE_SIZE = 16
 PLANES_PER_ROW = 6
-
-
-def replica_buckets(rows: int) -> tuple[int, ...]:
-    """The batch sizes a runtime of `rows` rows compiles when it is one of several: the powers of 4 below `rows`,
-    then `rows` itself, so that it never pads to the next power of 4.
-
-    >>> replica_buckets(8), replica_buckets(4), replica_buckets(1)
-    ((1, 4, 8), (1, 4), (1,))
-    """
-    buckets, size = [], 1
-    while size < rows:
-        buckets.append(size)
-        size *= 4
-    return (*buckets, rows)
 
 
 class Replica:
@@ -102,7 +93,7 @@ def run(args) -> dict:
     per_replica = args.rows // args.replicas
     whole = Replica(model, prompts, args.iterations)
     parts = [Replica(model, prompts[i * per_replica:(i + 1) * per_replica], args.iterations,
-                     replica_buckets(per_replica)) for i in range(args.replicas)]  # fmt: skip
+                     share_buckets(per_replica)) for i in range(args.replicas)]  # fmt: skip
     tokens_whole = whole.call()
     tokens_parts = [tokens for part in parts for tokens in part.call()]
     out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
@@ -117,7 +108,44 @@ def run(args) -> dict:
               f"{per_replica} side by side {side_by_side:.0f} ({side_by_side / one:.2f}x)", flush=True)
     out["ratio"] = statistics.median(r["ratio"] for r in out["rounds"])
     print(f"median {out['ratio']:.2f}x; each row's tokens equal in both forms: {out['tokens_equal']}")
+    if args.engine_rounds:
+        out["engines"] = engines(args, model, tokenizer, [tuple(p) for p in prompts])
     return out
+
+
+def engines(args, model, tokenizer, prompts: list[tuple[int, ...]]) -> dict:
+    """Tokens a second of one engine and of `Replicas`, `args.rows` requests of args.max_tokens at once, rounds
+    alternating (the first of each untimed)."""
+    import anyio
+
+    engine_args = dict(tokenizer=tokenizer, budget_bytes=256 << 20, max_running=args.rows, max_model_len=2048,
+                       n_max=3)  # fmt: skip
+    forms = {"one": Engine(model, **engine_args), "replicas": Replicas.build(model, args.replicas, **engine_args)}
+    for form in forms.values():
+        form.warmup()
+    requests = [GenerationRequest(p, args.max_tokens) for p in prompts]
+    rates: dict[str, list[float]] = {name: [] for name in forms}
+    tokens: dict[str, list] = {}
+
+    async def main():
+        async with forms["one"], forms["replicas"]:
+            for round_ in range(args.engine_rounds + 1):
+                for name, form in forms.items():
+                    result = await _run(form, requests, len(requests))
+                    tokens[name] = result["tokens"]
+                    if round_:
+                        rates[name].append(result["tokens_per_s"])
+                if round_:
+                    print(f"engine round {round_}: one engine {rates['one'][-1]:.0f} tokens/s, replicas "
+                          f"{rates['replicas'][-1]:.0f} ({rates['replicas'][-1] / rates['one'][-1]:.2f}x)", flush=True)
+
+    anyio.run(main)
+    ratios = [r / o for o, r in zip(rates["one"], rates["replicas"])]
+    result = {"streams": len(requests), "max_tokens": args.max_tokens, "one": rates["one"],
+              "replicas": rates["replicas"], "ratios": ratios, "ratio": statistics.median(ratios),
+              "tokens_equal": tokens["one"] == tokens["replicas"]}  # fmt: skip
+    print(f"engines: median {result['ratio']:.2f}x; every request's tokens equal: {result['tokens_equal']}")
+    return result
 
 
 def main(argv=None) -> dict:
@@ -128,6 +156,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--iterations", type=int, default=32, help="iterations per call")
     parser.add_argument("--seconds", type=float, default=5.0, help="of looping calls per form and round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engine-rounds", type=int, default=5, help="of the engine comparison (0: none)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="of each request in the engine comparison")
     return run_and_save(run, parser.parse_args(argv))
 
 

@@ -35,6 +35,7 @@ from jaxmodel.state import KV_DTYPES
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS
+from scheduler.replicas import Replicas
 
 from .prompts import load_prompt_set
 from bench import run_and_save, save_json
@@ -43,7 +44,7 @@ ASSETS = os.path.join(os.path.dirname(__file__), "..", "jaxmodel", "assets")
 DEFAULT_MODEL = os.path.join(ASSETS, "gdnspec-stdlib-target-q8_0.gguf")
 
 
-async def _stream(engine: Engine, request: GenerationRequest) -> dict:
+async def _stream(engine: Engine | Replicas, request: GenerationRequest) -> dict:
     tokens, drafted, accepted, rollback_steps = [], 0, 0, {}
     async for event in engine.generate(request):
         if isinstance(event, TokensEvent):
@@ -55,7 +56,7 @@ async def _stream(engine: Engine, request: GenerationRequest) -> dict:
     return {"tokens": tokens, "drafted": drafted, "accepted": accepted, "rollback_steps": rollback_steps}
 
 
-async def _run(engine: Engine, requests: list[GenerationRequest], streams: int) -> dict:
+async def _run(engine: Engine | Replicas, requests: list[GenerationRequest], streams: int) -> dict:
     """`requests` with at most `streams` in flight; returns tokens per request, wall time and draft counts."""
     results: list[dict | None] = [None] * len(requests)
     limiter = anyio.Semaphore(streams)
@@ -93,14 +94,15 @@ def run(args) -> dict:
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max, "p_min": args.p_min,
            "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha,
-           "kv_dtype": args.kv_dtype, "cells": []}  # fmt: skip
+           "kv_dtype": args.kv_dtype, "replicas": args.replicas, "cells": []}  # fmt: skip
 
     async def main():
-        engine = Engine(model, tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20),
-                        max_running=max(streams), max_model_len=args.max_model_len, n_max=args.n_max,
-                        adaptive=not args.fixed_policy, iterations=args.iterations,
-                        draft_vocab=args.draft_vocab, extra_drafters=[synthetic] if synthetic else [],
-                        kv_dtype=args.kv_dtype)  # fmt: skip
+        engine_args = dict(tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20), max_running=max(streams),
+                           max_model_len=args.max_model_len, n_max=args.n_max, adaptive=not args.fixed_policy,
+                           iterations=args.iterations, draft_vocab=args.draft_vocab,
+                           extra_drafters=[synthetic] if synthetic else [], kv_dtype=args.kv_dtype)  # fmt: skip
+        engine = (Replicas.build(model, args.replicas, **engine_args) if args.replicas > 1
+                  else Engine(model, **engine_args))
         start = time.perf_counter()
         shapes = engine.warmup()
         out["warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - start}
@@ -175,6 +177,8 @@ def workload_arguments(parser: argparse.ArgumentParser, drafters: str) -> None:
     parser.add_argument("--drafters", default=drafters, help="drafter sets separated by ';' (plain: none)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--n-max", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="engines serving side by side, each with its share of the rows and the budget")
     parser.add_argument("--p-min", type=float, default=0.0,
                         help="draft probability below which a chain stops (the request's p_min)")
 

@@ -164,6 +164,20 @@ class Shapes:
                 yield B, T, self.logit_rows(T, final_only), final_only
 
 
+def share_buckets(rows: int) -> tuple[int, ...]:
+    """`Shapes.row_buckets` for a runtime that serves `rows` rows beside other runtimes: the powers of 4 below
+    `rows`, then `rows` itself, so that a share of 8 rows never pads to 16.
+
+    >>> share_buckets(8), share_buckets(4), share_buckets(1)
+    ((1, 4, 8), (1, 4), (1,))
+    """
+    buckets, size = [], 1
+    while size < rows:
+        buckets.append(size)
+        size *= 4
+    return (*buckets, rows)
+
+
 # Steps of up to this many tokens per row (decode and verify steps) may run several iterations per call.
 LOOP_MAX_TOKENS = 16
 # With `Runtime.split_chunks`, prompt chunks run in calls of at most this many rows (a batch bucket, so no new

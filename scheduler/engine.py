@@ -19,7 +19,7 @@ import traceback
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
@@ -56,6 +56,22 @@ def freeze_heap() -> None:
     as before."""
     gc.collect()
     gc.freeze()
+
+
+@dataclass(frozen=True)
+class Load:
+    """What an engine holds at a moment: sequences running and waiting, and its pools' free and usable pages and
+    planes (a `stats` request's counts; `Replicas.load` sums its engines')."""
+
+    running: int
+    waiting: int
+    pages_free: int
+    pages_total: int
+    planes_free: int
+    planes_total: int
+
+    def __add__(self, other: Load) -> Load:
+        return Load(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 @dataclass
@@ -130,6 +146,7 @@ class Engine:
         draft_vocab: int | None = DEFAULT_DRAFT_VOCAB,
         background_warmup: bool = False,
         kv_dtype: str = "float32",
+        row_buckets: tuple[int, ...] = (),
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
@@ -145,7 +162,7 @@ class Engine:
         (a server then listens at once; requests arriving meanwhile compile what they need first). kv_dtype: the
         target's KV pages (the MTP head's included), "float32" or "float16" (half the bytes a page, so twice the
         positions in the same budget, and half the bytes attention reads at a long context; README, "A float16 KV
-        cache")."""
+        cache"). row_buckets: the batch sizes the steps compile (`Shapes.row_buckets`; default: powers of 4)."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
         cfg = model.cfg
@@ -174,6 +191,7 @@ class Engine:
             max_tokens=chunk_size + n_max,  # a row feeds at most a chunk, then its drafts
             max_logit_rows=1 + n_max,
             pages_per_row=pages_for(max_model_len + n_max + 1, page_size),
+            row_buckets=row_buckets,
         )
         if stop_token_ids is None:
             stop_token_ids = tokenizer.eog_ids if tokenizer is not None else ()
@@ -611,6 +629,24 @@ class Engine:
             if not finished:
                 self._outputs.pop(seq_id, None)
                 self._inbox_send.send_nowait(("abort", seq_id))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+    @property
+    def max_running(self) -> int:
+        return self.scheduler.max_running
+
+    def load(self) -> Load:
+        memory, scheduler = self.memory, self.scheduler
+        return Load(scheduler.n_running, scheduler.n_waiting, memory.free_pages, memory.usable_pages,
+                    memory.free_planes, memory.usable_planes)
+
+    @property
+    def n_in_flight(self) -> int:
+        """Requests `generate` is streaming (waiting, running, or their last events on the way)."""
+        return len(self._outputs)
 
     def check(self, request: GenerationRequest) -> None:
         """ValueError for what this engine cannot serve: drafters it lacks, drafts longer than its n_max.

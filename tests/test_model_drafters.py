@@ -16,7 +16,7 @@ from jaxmodel import load_model
 from jaxmodel.assets import default_model_path
 from jaxmodel.kernels import cpu_matmul
 from jaxmodel.model import Model
-from jaxmodel.runtime import Runtime, RowLoop, Shapes, StepRow, plane_write_cost
+from jaxmodel.runtime import Runtime, RowLoop, Shapes, StepRow, plane_write_cost, share_buckets
 from jaxmodel.state import Row, pack_batch
 
 
@@ -195,6 +195,7 @@ def test_row_buckets_replace_the_powers_of_4():
     for wrong in [(4, 1, 8), (1, 4), (0, 8), (1, 4, 4, 8)]:
         with pytest.raises(ValueError, match="row_buckets"):
             Shapes(max_rows=8, max_tokens=4, max_logit_rows=1, pages_per_row=2, row_buckets=wrong)
+    assert [share_buckets(n) for n in (1, 4, 5, 8, 16)] == [(1,), (1, 4), (1, 4, 5), (1, 4, 8), (1, 4, 16)]
 
 
 def test_a_write_cost_within_the_steps_noise_counts_as_none():

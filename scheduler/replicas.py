@@ -1,0 +1,98 @@
+"""Several engines over one model, serving side by side: data parallelism over a CPU's cores.
+
+On a 2-core CPU one engine's device call uses the second core only inside its kernels; XLA's operations around
+them run on one core while the other waits (README, "Two half-batch runtimes side by side"). Two engines, each with
+half the rows and half the memory budget, run their steps in worker threads of their own at the same time (JAX
+releases the GIL while a call runs), so each core works through its own rows. A request runs on the engine with the
+fewest requests in flight, for its whole life: its pages and planes live in that engine's pools. A row's tokens do
+not depend on its batch (`tests/test_batch_invariance.py`), so they are the ones a single engine would give.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, aclosing
+
+from jaxmodel.runtime import share_buckets
+
+from .engine import Engine, Load, RequestTiming
+from .types import DoneEvent, GenerationRequest, TokensEvent
+
+
+class Replicas:
+    """`Engine`'s serving interface over several engines of one model: what the server uses (`generate`, `check`,
+    `warmup`, `load`, `async with`, the limits) with the counts summed over the engines."""
+
+    def __init__(self, engines: Sequence[Engine]):
+        if not engines:
+            raise ValueError("no engines to serve with")
+        if len({id(engine.model) for engine in engines}) != 1:
+            raise ValueError("replicas serve one model")
+        self.engines = list(engines)
+        first = self.engines[0]
+        self.model, self.tokenizer, self.drafters, self.n_max = first.model, first.tokenizer, first.drafters, first.n_max
+
+    @classmethod
+    def build(cls, model, n: int, *, budget_bytes: int = 256 << 20, max_running: int = 16, **engine_args) -> Replicas:
+        """n engines over `model`, each with 1/n of the memory budget and of the running sequences, compiling
+        their share of rows as their largest batch (`share_buckets`); engine_args as `Engine` takes them."""
+        if n < 1:
+            raise ValueError(f"{n} replicas: at least one is needed")
+        rows = math.ceil(max_running / n)
+        return cls([Engine(model, budget_bytes=budget_bytes // n, max_running=rows,
+                           row_buckets=share_buckets(rows) if n > 1 else (), **engine_args)
+                    for _ in range(n)])  # fmt: skip
+
+    @property
+    def max_model_len(self) -> int:
+        return min(engine.max_model_len for engine in self.engines)
+
+    @property
+    def max_running(self) -> int:
+        return sum(engine.max_running for engine in self.engines)
+
+    @property
+    def steps(self) -> int:
+        return sum(engine.steps for engine in self.engines)
+
+    @property
+    def background_warmup(self) -> bool:
+        return all(engine.background_warmup for engine in self.engines)
+
+    @background_warmup.setter
+    def background_warmup(self, value: bool) -> None:
+        for engine in self.engines:
+            engine.background_warmup = value
+
+    def load(self) -> Load:
+        loads = [engine.load() for engine in self.engines]
+        return sum(loads[1:], loads[0])
+
+    def warmup(self, threads: int | None = None) -> int:
+        """Every engine's `warmup`; returns the step shapes compiled in all."""
+        return sum(engine.warmup(threads) for engine in self.engines)
+
+    def check(self, request: GenerationRequest) -> None:
+        self.engines[0].check(request)  # the engines differ in their share of memory and rows only
+
+    async def __aenter__(self) -> Replicas:
+        self._stack = AsyncExitStack()
+        for engine in self.engines:
+            await self._stack.enter_async_context(engine)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stack.__aexit__(*exc)
+
+    def least_busy(self) -> Engine:
+        """The engine a new request goes to: the one with the fewest requests in flight (the first on ties)."""
+        return min(self.engines, key=lambda engine: engine.n_in_flight)
+
+    async def generate(self, request: GenerationRequest, timing: RequestTiming | None = None
+                       ) -> AsyncIterator[TokensEvent | DoneEvent]:
+        """`Engine.generate` on the least busy engine; closing this stream closes that one (which aborts the
+        request) at once."""
+        async with aclosing(self.least_busy().generate(request, timing)) as events:
+            async for event in events:
+                yield event
