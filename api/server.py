@@ -29,8 +29,7 @@ from anyio.abc import TaskGroup
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from scheduler import DoneEvent, Engine, GenerationRequest, RequestTiming, TokensEvent
-from scheduler.replicas import Replicas
+from scheduler import DoneEvent, Engine, GenerationRequest, Replicas, RequestTiming, TokensEvent
 
 from .chat import ChatTemplateError, render_chat
 from .protocol import (Cancel, Connection, Done, DrafterStats, Error, Failure, GenerateRequest, RollbackSteps,

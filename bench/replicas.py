@@ -26,8 +26,7 @@ from jaxmodel import load_model
 from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow, share_buckets
 from jaxmodel.state import Row
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler import Engine, GenerationRequest
-from scheduler.replicas import Replicas
+from scheduler import Engine, GenerationRequest, Replicas
 
 from . import run_and_save
 from .prompts import load_prompt_set

@@ -33,9 +33,8 @@ from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from jaxmodel.state import KV_DTYPES
 from jaxmodel.tokenizer import load_tokenizer
-from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
+from scheduler import DoneEvent, Engine, GenerationRequest, Replicas, TokensEvent
 from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS
-from scheduler.replicas import Replicas
 
 from .prompts import load_prompt_set
 from bench import run_and_save, save_json
@@ -92,8 +91,8 @@ def run(args) -> dict:
         synthetic = SyntheticDrafter([], alpha=args.synthetic_alpha, vocab=model.cfg.n_vocab, seed=0)
     out = {"model": os.path.basename(args.model), "backend": jax.default_backend(),
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-           "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max, "p_min": args.p_min,
-           "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha,
+           "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
+           "p_min": args.p_min, "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha,
            "kv_dtype": args.kv_dtype, "replicas": args.replicas, "cells": []}  # fmt: skip
 
     async def main():
@@ -177,10 +176,6 @@ def workload_arguments(parser: argparse.ArgumentParser, drafters: str) -> None:
     parser.add_argument("--drafters", default=drafters, help="drafter sets separated by ';' (plain: none)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--n-max", type=int, default=3)
-    parser.add_argument("--replicas", type=int, default=1,
-                        help="engines serving side by side, each with its share of the rows and the budget")
-    parser.add_argument("--p-min", type=float, default=0.0,
-                        help="draft probability below which a chain stops (the request's p_min)")
 
 
 def main(argv=None) -> dict:
@@ -199,6 +194,10 @@ def main(argv=None) -> dict:
                         "(auto, snapshot, checkpoint); each speculative drafter set runs under each")
     parser.add_argument("--synthetic-alpha", type=float, default=None,
                         help="add the `synthetic` drafter with this acceptance rate")
+    parser.add_argument("--p-min", type=float, default=0.0,
+                        help="draft probability below which a chain stops (the request's p_min)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="engines serving side by side, each with its share of the rows and the budget")
     return run_and_save(run, parser.parse_args(argv))
 
 

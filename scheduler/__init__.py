@@ -3,10 +3,11 @@ scheduler's step")."""
 
 from __future__ import annotations
 
-from .engine import Engine, RequestTiming
+from .engine import Engine, Load, RequestTiming
+from .replicas import Replicas
 from .types import DoneEvent, DraftStats, Event, FinishReason, GenerationRequest, Request, TokensEvent
 
 __all__ = [
-    "DoneEvent", "DraftStats", "Engine", "Event", "FinishReason", "GenerationRequest", "Request", "RequestTiming",
-    "TokensEvent",
+    "DoneEvent", "DraftStats", "Engine", "Event", "FinishReason", "GenerationRequest", "Load", "Replicas", "Request",
+    "RequestTiming", "TokensEvent",
 ]

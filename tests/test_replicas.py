@@ -16,8 +16,7 @@ from test_server import SETTINGS
 from api.client import Client
 from api.server import Server, listening
 from drafters.policy import SpeculativeConfig
-from scheduler import Engine, GenerationRequest
-from scheduler.replicas import Replicas
+from scheduler import Engine, GenerationRequest, Replicas
 
 MAX_TOKENS = 12
 
