@@ -39,6 +39,8 @@ def _build_engine(args):
     from scheduler.engine import DEFAULT_ITERATIONS, DEFAULT_MAX_CALL_SECONDS, Engine
     from scheduler.replicas import Replicas
 
+    if args.replicas < 1:
+        raise SystemExit(f"gdnspec: --replicas {args.replicas}: at least 1")
     model_path, draft_path = _model_paths(args)
     try:  # a file that cannot serve is the user's to fix: one line naming it and what is wrong, no traceback
         model = load_model(model_path, weight_dtype=args.weight_dtype)
@@ -56,11 +58,12 @@ def _build_engine(args):
         max_call_seconds=DEFAULT_MAX_CALL_SECONDS if args.max_call_ms is None else args.max_call_ms / 1e3 or None,
         kv_dtype=args.kv_dtype,
     )  # fmt: skip
-    if args.replicas < 1:
-        raise SystemExit(f"gdnspec: --replicas {args.replicas}: at least 1")
-    if args.replicas > 1:
-        return Replicas.build(model, args.replicas, **engine_args), tokenizer
-    return Engine(model, **engine_args), tokenizer
+    try:  # settings no engine can serve with (a budget too small for one sequence of --max-model-len, ...)
+        if args.replicas > 1:
+            return Replicas.build(model, args.replicas, **engine_args), tokenizer
+        return Engine(model, **engine_args), tokenizer
+    except ValueError as exc:
+        raise SystemExit(f"gdnspec: cannot serve with these settings: {exc}") from None
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:

@@ -127,6 +127,26 @@ def test_the_kv_dtype_option_reaches_the_engine():
         build_parser().parse_args(["serve", "--kv-dtype", "int8"])
 
 
+def test_the_replicas_option_shares_the_budget_and_the_rows():
+    """`gdnspec serve --replicas 2` serves with two engines, each with half of --max-seqs and --budget-mb; 0 is
+    refused before any file is read, and a budget whose half cannot hold one sequence is refused in one line."""
+    from api.cli import _build_engine, build_parser
+    from scheduler import Replicas
+
+    args = build_parser().parse_args(["serve", "--model", str(TINY), "--budget-mb", "16", "--max-seqs", "8",
+                                      "--replicas", "2"])  # fmt: skip
+    replicas, _ = _build_engine(args)
+    assert isinstance(replicas, Replicas) and len(replicas.engines) == 2
+    assert [engine.max_running for engine in replicas.engines] == [4, 4] and replicas.max_running == 8
+    assert replicas.engines[0].runtime.shapes.row_buckets == (1, 4)
+    args = build_parser().parse_args(["serve", "--model", "/nonexistent.gguf", "--replicas", "0"])
+    with pytest.raises(SystemExit, match="--replicas 0"):
+        _build_engine(args)
+    args = build_parser().parse_args(["serve", "--model", str(TINY), "--budget-mb", "4", "--replicas", "2"])
+    with pytest.raises(SystemExit, match="cannot serve with these settings: .* cannot hold one sequence of 2048"):
+        _build_engine(args)  # 2 MB an engine
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_writer_round_trip(tmp_path, dtype):
     """Export the fixture's weights and load them back: every matmul weight comes back as its rounding to
