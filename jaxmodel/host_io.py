@@ -20,6 +20,7 @@ Leaves may be int32, uint32, float32 (bit-cast, so exact) or bool (stored as 0/1
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,17 +119,18 @@ class PackedCall:
     call(weights, state, inputs, **static) -> (outputs as numpy arrays, state): inputs is a dict of pytrees of host
     arrays (None for an absent one), static the jit-static keyword arguments. The outputs' layout is recorded when
     the call is traced, which happens before the first call of each layout and static arguments and again whenever
-    jit's cache has let that executable go; `traced` says whether the last call traced (and so also compiled,
-    unless a cache held it), which makes its time no measure of a step.
+    jit's cache has let that executable go; `traced` says whether the calling thread's last call traced (and so
+    also compiled, unless a cache held it), which makes its time no measure of a step.
     """
 
     def __init__(self, fn, static_argnames: tuple[str, ...] = ()):
         self._out_layouts: dict[tuple, Layout] = {}
-        self._n_traces = 0
-        self.traced = False
+        # Per thread: runtimes of one model share a call (`runtime._compiled`), and engines side by side call it
+        # from threads of their own; one thread's trace says nothing of another's call.
+        self._thread = threading.local()
 
         def packed(weights, state, buffer, *, layout: Layout, **static):
-            self._n_traces += 1
+            self._thread.n_traces = self._n_traces + 1  # tracing runs in the calling thread
             out, state = fn(weights, state=state, **unpack(buffer, layout), **static)
             buffer, out_layout = pack_traced(out)
             self._out_layouts[layout, _static_key(static)] = out_layout
@@ -147,5 +149,14 @@ class PackedCall:
         buffer, layout = pack(inputs)
         n_traces = self._n_traces
         out, state = self._jitted(weights, state, buffer, layout=layout, **static)
-        self.traced = self._n_traces > n_traces
+        self._thread.traced = self._n_traces > n_traces
         return unpack_host(np.asarray(out), self._out_layouts[layout, _static_key(static)]), state
+
+    @property
+    def _n_traces(self) -> int:
+        return getattr(self._thread, "n_traces", 0)
+
+    @property
+    def traced(self) -> bool:
+        """Whether this thread's last call traced."""
+        return getattr(self._thread, "traced", False)

@@ -1,6 +1,8 @@
 """The packed host <-> device buffers of a step (`jaxmodel.host_io`): every leaf survives the round trip exactly,
 through a jitted call as the runtime makes it."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +87,31 @@ def test_packed_call_says_when_it_traced_again_after_the_cache_let_go():
         assert int(out["total"]) == 7
         seen.append(call.traced)
     assert seen == [True, False, True, False]
+
+
+def test_a_trace_in_one_thread_is_not_another_threads():
+    """Engines side by side share one call (`Replicas`): a shape one thread traces does not mark the last call of
+    another thread as traced, nor the other way round."""
+    def fn(weights, state, tokens):
+        return {"total": jnp.sum(tokens) + weights}, state
+
+    call = PackedCall(fn)
+    four = {"tokens": np.arange(4, dtype=np.int32)}
+    state = jnp.zeros((1,), jnp.float32)
+    _, state = call(jnp.int32(1), state, four)
+    assert call.traced  # this thread traced the 4-token shape
+    _, state = call(jnp.int32(1), state, four)
+    assert not call.traced
+    seen = {}
+
+    def other():  # another thread traces the 8-token shape
+        call(jnp.int32(1), jnp.zeros((1,), jnp.float32), {"tokens": np.arange(8, dtype=np.int32)})
+        seen["other"] = call.traced
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert seen["other"] and not call.traced
 
 
 @pytest.mark.parametrize("bad", [np.zeros(2, np.float64), np.zeros(2, np.int64), np.zeros(2, np.int8)])
