@@ -1,7 +1,7 @@
 """Several engines over one model, serving side by side: data parallelism over a CPU's cores.
 
 On a 2-core CPU one engine's device call uses the second core only inside its kernels; XLA's operations around
-them run on one core while the other waits (README, "Two half-batch runtimes side by side"). Two engines, each with
+them run on one core while the other waits (README, "Two engines side by side"). Two engines, each with
 half the rows and half the memory budget, run their steps in worker threads of their own at the same time (JAX
 releases the GIL while a call runs), so each core works through its own rows. A request runs on the engine with the
 fewest requests in flight, for its whole life: its pages and planes live in that engine's pools. A row's tokens do
@@ -70,7 +70,9 @@ class Replicas:
         return sum(loads[1:], loads[0])
 
     def warmup(self, threads: int | None = None) -> int:
-        """Every engine's `warmup`; returns the step shapes compiled in all."""
+        """Every engine's `warmup` (compiling and calibrating); returns the step shapes warmed in all. Runtimes of
+        one model share their compiled steps, so the second engine compiles none of the first's shapes again (the
+        bundled model at 16 rows: 60 shapes warmed in 146 s, where one engine took 152 s for its 30)."""
         return sum(engine.warmup(threads) for engine in self.engines)
 
     def check(self, request: GenerationRequest) -> None:
