@@ -180,38 +180,32 @@ def same_results(a, b) -> bool:
 def model_calls(rows: int, iterations: int):
     """Two runtimes of the bundled model, one per library, and a function timing a later iteration of a looping
     call of plain decoding over `rows` rows (the code prompts, each its own pages and planes) on one of them."""
+    from bench.decoding_rows import PAGE_SIZE, PLANES_PER_ROW, committed_tokens, prefilled_loops, sequences
     from bench.prompts import load_prompt_set
     from jaxmodel import load_model
     from jaxmodel import runtime as runtime_module
-    from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
-    from jaxmodel.state import Row
+    from jaxmodel.runtime import Runtime, Shapes
     from jaxmodel.tokenizer import load_tokenizer
 
     path = str(ROOT / BUNDLED)
     model, tokenizer = load_model(path), load_tokenizer(path)
     prompts = [list(tokenizer.encode(p)) for p in load_prompt_set("code")]
-    page = 16
-    per_row = -(-(max(map(len, prompts)) + iterations + 8) // page)
-    sequences = [(prompts[i % len(prompts)], list(range(1 + i * per_row, 1 + (i + 1) * per_row)), 1 + 6 * i)
-                 for i in range(rows)]  # fmt: skip
+    per_row = -(-(max(map(len, prompts)) + iterations + 8) // PAGE_SIZE)
+    rows_of = sequences([prompts[i % len(prompts)] for i in range(rows)], per_row)
 
     def call(runtime, n: int):
-        firsts = [runtime.step([StepRow(Row(p, 0, pages, 0, [-1] * (len(p) - 1) + [plane], [len(p) - 1]))])[0]
-                  for p, pages, plane in sequences]  # fmt: skip
-        loops = [StepRow(Row(first.committed, len(p), pages, plane, [plane + 1], [0]),
-                         loop=RowLoop(0, tuple(range(plane, plane + 5)), budget=10**6))
-                 for first, (p, pages, plane) in zip(firsts, sequences, strict=True)]  # fmt: skip
+        loops = prefilled_loops(runtime, rows_of)  # each call from the prompts again
         start = time.perf_counter()
         results = runtime.step(loops, iterations=n)
         seconds = time.perf_counter() - start
-        return seconds, [r.committed + [t for it in r.more for t in it.committed] for r in results]
+        return seconds, committed_tokens(results)
 
     runtimes = {}
     for name, prefix in (("base", BASE), ("this", "")):
         runtime_module._compiled.cache_clear()
         with targets(prefix):
-            runtimes[name] = Runtime(model, n_pages=rows * per_row + 2, n_planes=rows * 6 + 2, page_size=page,
-                                     max_iterations=iterations,
+            runtimes[name] = Runtime(model, n_pages=rows * per_row + 2, n_planes=rows * PLANES_PER_ROW + 2,
+                                     page_size=PAGE_SIZE, max_iterations=iterations,
                                      shapes=Shapes(max_rows=rows, max_tokens=256, max_logit_rows=4,
                                                    pages_per_row=per_row))  # fmt: skip
             for _ in range(2):

@@ -4,9 +4,9 @@ same for whole engines: one `Engine` against `Replicas` of N serving R streams. 
 iteration's XLA operations run on one core while the other waits ("A 16-row iteration's serial work" in the
 README); two 8-row runtimes keep both cores on their own work.
 
-The runtimes loop calls of plain decoding from the same prefilled rows (the state restored by writing the same
-planes each call); the engines serve R requests of the code prompts at once, rounds alternating between the two
-forms, in one process. Each row's and each request's tokens are checked equal between the forms. Writes JSON.
+The runtimes loop calls of plain decoding from the prompts' ends (`bench.decoding_rows`); the engines serve R
+requests of the code prompts at once. Forms alternate round by round, in one process, and each row's (first call)
+and each request's tokens are checked equal between them. Writes JSON.
 
     gdnspec bench replicas --rows 16 --replicas 2 --rounds 5 --engine-rounds 7 --out bench/results/replicas-cpu.json
 """
@@ -23,22 +23,20 @@ import time
 import jax
 
 from jaxmodel import load_model
-from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow, share_buckets
-from jaxmodel.state import Row
+from jaxmodel.runtime import Runtime, Shapes, share_buckets
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import Engine, GenerationRequest, Replicas
 
 from . import run_and_save
+from .decoding_rows import PAGE_SIZE, PLANES_PER_ROW, committed_tokens, prefilled_loops, sequences
 from .prompts import load_prompt_set
 from .speculation import _run, model_arguments
 
-PAGE_SIZE = 16
-PLANES_PER_ROW = 6
-
-
 class Replica:
     """A runtime and its decoding rows, prefilled from `prompts`: `call()` runs one looping call over all of them
-    from the same starting state and returns each row's tokens."""
+    from the prompts' ends and returns each row's tokens. Only the first call's tokens follow the prefill exactly (a
+    loop writes its read plane again; `prefilled_loops`); later calls decode the same positions in the same shapes,
+    which is what the timing needs."""
 
     def __init__(self, model, prompts: list[list[int]], iterations: int, row_buckets: tuple[int, ...] = ()):
         n_rows = len(prompts)
@@ -48,18 +46,10 @@ class Replica:
                                shapes=Shapes(max_rows=n_rows, max_tokens=256, max_logit_rows=1, pages_per_row=per_row,
                                              row_buckets=row_buckets))  # fmt: skip
         self.iterations = iterations
-        self.rows = []
-        for i, prompt in enumerate(prompts):
-            pages = list(range(1 + i * per_row, 1 + (i + 1) * per_row))
-            base = 1 + PLANES_PER_ROW * i
-            prefill = Row(prompt, 0, pages, 0, [-1] * (len(prompt) - 1) + [base], [len(prompt) - 1])
-            first = self.runtime.step([StepRow(prefill, n_chain=-1)])[0].committed[0]
-            loop = RowLoop(0, tuple(range(base, base + PLANES_PER_ROW - 1)), budget=10**6)
-            self.rows.append(StepRow(Row([first], len(prompt), pages, base, [base + 1], [0]), loop=loop, n_chain=-1))
+        self.rows = prefilled_loops(self.runtime, sequences(prompts, per_row))
 
     def call(self) -> list[list[int]]:
-        results = self.runtime.step(self.rows, iterations=self.iterations)
-        return [r.committed + [t for it in r.more for t in it.committed] for r in results]
+        return committed_tokens(self.runtime.step(self.rows, iterations=self.iterations))
 
 
 def row_iterations_per_second(replicas: list[Replica], seconds: float) -> float:

@@ -171,11 +171,7 @@ def share_buckets(rows: int) -> tuple[int, ...]:
     >>> share_buckets(8), share_buckets(4), share_buckets(1)
     ((1, 4, 8), (1, 4), (1,))
     """
-    buckets, size = [], 1
-    while size < rows:
-        buckets.append(size)
-        size *= 4
-    return (*buckets, rows)
+    return tuple(sorted({min(bucket(n, base=4), rows) for n in range(1, rows + 1)}))
 
 
 # Steps of up to this many tokens per row (decode and verify steps) may run several iterations per call.
