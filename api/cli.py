@@ -73,7 +73,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seqs", type=int, default=16, help="sequences running at once")
     p.add_argument("--replicas", type=int, default=1,
                    help="engines serving side by side, each with its share of --max-seqs and --budget-mb (on a CPU "
-                        "of 2 cores, 2 decode many streams faster; README, \"Two engines side by side\")")
+                        "of 2 cores, 2 decode many streams faster; docs/performance.md, "
+                        "\"Two engines side by side\")")
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per sequence")
     p.add_argument("--max-n-max", type=int, default=16, help="longest draft any request may ask for")
     p.add_argument("--fixed-policy", action="store_true",

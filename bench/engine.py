@@ -1,6 +1,6 @@
 """Engine throughput with the synthetic drafter: tokens/s per sequence and aggregate for plain decoding and for
 drafts of d tokens accepted at rate alpha, per rollback mode, concurrency and memory budget. Writes JSON, PNG
-plots and the README's table (markdown).
+plots and a markdown table (docs/performance.md, "Rollback under memory pressure").
 
     gdnspec bench engine --model bench/out/qwen35-0.8b-f32.gguf --out bench/results/engine-cpu.json
     gdnspec bench engine --model ... --budgets-mb 8,64,1024 --concurrency 16 --out ...   # a budget sweep
@@ -236,7 +236,7 @@ def plot(results: dict, path: str) -> None:
 
 
 def markdown_table(results: dict) -> str:
-    """The README's table of a run: one line per (concurrency, budget, alpha, d), aggregate tokens/s per mode
+    """The markdown table of a run: one line per (concurrency, budget, alpha, d), aggregate tokens/s per mode
     (bold: the best forced mode; "(none)": a forced mode that never rolled back in its own mode), auto's rollback
     steps, and auto over the best forced mode by medians and (in brackets) paired."""
     runs = results["runs"]
@@ -271,7 +271,7 @@ def markdown_table(results: dict) -> str:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True, help="JSON results; the plot goes beside it as .png, the README's "
+    parser.add_argument("--out", required=True, help="JSON results; the plot goes beside it as .png, the markdown "
                         "table as .md")
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--alpha", default="0.6,0.9")

@@ -66,7 +66,7 @@ step iteration-cost-command-buffers 150 env \
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
     "$PY" -m bench.iteration_cost --rounds 5 --out "$OUT/iteration-cost-command-buffers.json"
 # End to end: does speculation pay at one stream (one batch size to compile), then `mtp,ngram` at 16 streams, whose
-# last GPU run predates a fix (the README's "On a GPU").
+# last GPU run predates a fix (docs/performance.md, "On a GPU").
 step speculation-1 300 "$PY" -m bench.speculation --streams 1 --drafters "plain;mtp;ngram;mtp,ngram" --repeats 1 \
     --out "$OUT/speculation-quick-1.json"
 step speculation-16 300 "$PY" -m bench.speculation --streams 16 --drafters "plain;mtp,ngram" --repeats 1 \

@@ -1,8 +1,8 @@
 """Decoding throughput of one runtime of R rows against N runtimes of R / N rows each whose calls run side by side,
 one Python thread each (data parallelism over the cores instead of splitting each operation over them), then the
 same for whole engines: one `Engine` against `Replicas` of N serving R streams. On a 2-core CPU a 16-row
-iteration's XLA operations run on one core while the other waits ("A 16-row iteration's serial work" in the
-README); two 8-row runtimes keep both cores on their own work.
+iteration's XLA operations run on one core while the other waits ("A 16-row iteration's serial work" in
+docs/performance.md); two 8-row runtimes keep both cores on their own work.
 
 The runtimes loop calls of plain decoding from the prompts' ends (`bench.decoding_rows`); the engines serve R
 requests of the code prompts at once. Forms alternate round by round, in one process, and each row's (first call)

@@ -291,7 +291,7 @@ def choose_implementation(backend: str, n_tokens: int, final_only: bool, cpu_ker
     order of summation for every token whatever its step's length or batch, so a decoding row batched with a
     prompt chunk computes what it would alone, and greedy speculative output equals plain output under
     concurrency. XLA's scan (FORCE_IMPL = "scan"; tests/test_cpu_q8_matmul.py compares both with llama.cpp) costs
-    several times the kernel on prompt chunks (README, "Prefill on CPU").
+    several times the kernel on prompt chunks (docs/performance.md, "Prefill on CPU").
 
     Without the kernels, CPU thresholds measured on this project's shared 2-core machine (B=1, final_only, median
     of 15, noisy):

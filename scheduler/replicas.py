@@ -1,7 +1,7 @@
 """Several engines over one model, serving side by side: data parallelism over a CPU's cores.
 
 On a 2-core CPU one engine's device call uses the second core only inside its kernels; XLA's operations around
-them run on one core while the other waits (README, "Two engines side by side"). Two engines, each with
+them run on one core while the other waits (docs/performance.md, "Two engines side by side"). Two engines, each with
 half the rows and half the memory budget, run their steps in worker threads of their own at the same time (JAX
 releases the GIL while a call runs), so each core works through its own rows. A request runs on the engine with the
 fewest requests in flight, for its whole life: its pages and planes live in that engine's pools. A row's tokens do

@@ -1,4 +1,4 @@
-"""The engine benchmark's comparison of auto with the forced modes, and the README table it writes."""
+"""The engine benchmark's comparison of auto with the forced modes, and the markdown table it writes."""
 
 from bench.engine import compare_auto, markdown_table
 

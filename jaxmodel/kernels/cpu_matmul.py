@@ -2,7 +2,7 @@
 
 `rows_matmul(x [M, K], w [N, K]) -> [M, N]`, float32 weights: streams each weight row once for a tile of rows,
 so a 4-row product costs 1.2-1.5x a one-row one alone (1.8x inside the 0.8B step) instead of 2-2.5x with XLA's dot
-(README, "Model step"); `linear` uses it for every M when `load_model` stored a weight transposed
+(docs/performance.md, "Model step"); `linear` uses it for every M when `load_model` stored a weight transposed
 (`weights.Transposed`, `precision.takes_rows_kernel`).
 
 `q8_rows_matmul(x [M, K], quants [N, K], scales [N, K/32]) -> [M, N]`, Q8_0 weights as the file holds them, eight
