@@ -76,7 +76,8 @@ class Load:
 
 @dataclass
 class RequestTiming:
-    """perf_counter() instants of one request, filled in by the engine as they happen."""
+    """perf_counter() instants of one request, filled in by the engine as they happen (`arrived` by whoever queued
+    the request first, if it set it)."""
 
     arrived: float = 0.0
     scheduled: float | None = None  # first step that computed any of its tokens
@@ -605,7 +606,7 @@ class Engine:
         """Stream a request's events; leaving the loop early (or being cancelled) aborts the request.
         timing, if given, receives the request's instants."""
         timing = timing or RequestTiming()
-        timing.arrived = time.perf_counter()
+        timing.arrived = timing.arrived or time.perf_counter()  # a caller that queued the request set it already
         self.check(request)
         seq_id = next(self._ids)
         core_request = Request(seq_id, request.prompt_ids, request.max_tokens, self.stop_token_ids, request.stop,

@@ -3,16 +3,22 @@
 On a 2-core CPU one engine's device call uses the second core only inside its kernels; XLA's operations around
 them run on one core while the other waits (docs/performance.md, "Two engines side by side"). Two engines, each with
 half the rows and half the memory budget, run their steps in worker threads of their own at the same time (JAX
-releases the GIL while a call runs), so each core works through its own rows. A request runs on the engine with the
-fewest requests in flight, for its whole life: its pages and planes live in that engine's pools. A row's tokens do
-not depend on its batch (`tests/test_batch_invariance.py`), so they are the ones a single engine would give.
+releases the GIL while a call runs), so each core works through its own rows. Requests wait in one queue, first
+come first served, until some engine has a free row; a request then runs on the engine with the fewest requests in
+flight (of those, the one with the most free pages), for its whole life: its pages and planes live in that
+engine's pools. A row's tokens do not depend on its batch (`tests/test_batch_invariance.py`), so they are the ones
+a single engine would give.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, aclosing
+from dataclasses import replace
+
+import anyio
 
 from jaxmodel.runtime import share_buckets
 
@@ -32,6 +38,9 @@ class Replicas:
         self.engines = list(engines)
         first = self.engines[0]
         self.model, self.tokenizer, self.drafters, self.n_max = first.model, first.tokenizer, first.drafters, first.n_max
+        # One token per row of all the engines, handed out in order of arrival: a request holding one finds an
+        # engine with a free row, instead of queueing behind a long request on an engine chosen at arrival.
+        self._rows = anyio.CapacityLimiter(self.max_running)
 
     @classmethod
     def build(cls, model, n: int, *, budget_bytes: int = 256 << 20, max_running: int = 16, **engine_args) -> Replicas:
@@ -67,7 +76,8 @@ class Replicas:
 
     def load(self) -> Load:
         loads = [engine.load() for engine in self.engines]
-        return sum(loads[1:], loads[0])
+        total = sum(loads[1:], loads[0])
+        return replace(total, waiting=total.waiting + self._rows.statistics().tasks_waiting)  # for a row of any engine
 
     def warmup(self, threads: int | None = None) -> int:
         """Every engine's `warmup` (compiling and calibrating); returns the step shapes warmed in all. Runtimes of
@@ -88,13 +98,24 @@ class Replicas:
         await self._stack.__aexit__(*exc)
 
     def least_busy(self) -> Engine:
-        """The engine a new request goes to: the one with the fewest requests in flight (the first on ties)."""
-        return min(self.engines, key=lambda engine: engine.n_in_flight)
+        """The engine a request that holds a row goes to: of those with a free row, the one with the fewest requests
+        in flight, then the most free pages (the first on ties)."""
+        free = [engine for engine in self.engines if engine.n_in_flight < engine.max_running] or self.engines
+        return min(free, key=lambda engine: (engine.n_in_flight, -engine.memory.free_pages))
 
     async def generate(self, request: GenerationRequest, timing: RequestTiming | None = None
                        ) -> AsyncIterator[TokensEvent | DoneEvent]:
-        """`Engine.generate` on the least busy engine; closing this stream closes that one (which aborts the
-        request) at once."""
-        async with aclosing(self.least_busy().generate(request, timing)) as events:
-            async for event in events:
-                yield event
+        """`Engine.generate` on the least busy engine once a row is free (requests wait for one in order of
+        arrival; the wait counts in `timing`); closing this stream closes that one (which aborts the request) at
+        once."""
+        self.check(request)
+        timing = timing or RequestTiming()
+        timing.arrived = timing.arrived or time.perf_counter()
+        holder = object()  # a token per request: one task may stream several requests
+        await self._rows.acquire_on_behalf_of(holder)
+        try:
+            async with aclosing(self.least_busy().generate(request, timing)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self._rows.release_on_behalf_of(holder)

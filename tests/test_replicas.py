@@ -74,6 +74,50 @@ def test_a_request_goes_to_the_engine_with_the_fewest_in_flight(model):
     assert anyio.run(main) == [(1, 0), (1, 1), (2, 1)]
 
 
+def test_requests_beyond_the_rows_wait_in_one_queue(model):
+    replicas = Replicas([Engine(model, **{**ENGINE, "max_running": 1}) for _ in range(2)])  # not running
+
+    async def drain(stream):
+        async for _ in stream:
+            pass
+
+    async def main():
+        seen = []
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(drain, replicas.generate(GenerationRequest((5, 6, 7), 4)))
+                await anyio.wait_all_tasks_blocked()
+                seen.append((tuple(engine.n_in_flight for engine in replicas.engines), replicas.load().waiting))
+            tg.cancel_scope.cancel()
+        return seen
+
+    # The third holds no engine's row: it waits in the replicas' queue, counted among the waiting.
+    assert anyio.run(main) == [((1, 0), 0), ((1, 1), 0), ((1, 1), 1)]
+
+
+def test_a_waiting_request_takes_the_first_row_to_free(model):
+    """One row per engine: a long request on the first, a short one on the second; a third request must run on the
+    second as soon as the short one ends, not queue behind the long one on the engine it would have been sent to
+    when it arrived."""
+    replicas = Replicas([Engine(model, **{**ENGINE, "max_running": 1}) for _ in range(2)])
+    for engine in replicas.engines:
+        engine.iterations = 1  # one token a step: the long request takes many steps
+    ended = []
+
+    async def run(name, request):
+        tokens, done, _ = await collect(replicas, request)
+        assert done.finish_reason == "length" and len(tokens) == request.max_tokens
+        ended.append(name)
+
+    async def main():
+        async with replicas, anyio.create_task_group() as tg:
+            for name, max_tokens in (("long", 48), ("short", 2), ("third", 2)):  # they arrive in this order
+                tg.start_soon(run, name, GenerationRequest((11, 12, 13), max_tokens))
+
+    anyio.run(main)
+    assert ended == ["short", "third", "long"]
+
+
 def test_leaving_a_stream_cancels_the_request_on_its_engine(model):
     replicas = two_engines(model)
     for engine in replicas.engines:
