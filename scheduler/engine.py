@@ -247,7 +247,7 @@ class Engine:
             if timing is not None and timing.scheduled is None:
                 timing.scheduled = start
         plan = self._attach_drafts(plan, choices)
-        iterations = self._iterations(len(plan.rows)) if quiet and not self.scheduler.n_waiting else 1
+        iterations = self._call_iterations(plan, quiet)
         rows = [self._step_row(row, len(plan.rows), iterations > 1, choices.get(row.seq_id, ()))
                 for row in plan.rows]
         start = time.perf_counter()
@@ -277,6 +277,18 @@ class Engine:
                 self._release(event.seq_id)
         self.steps += 1
         return events
+
+    def _call_iterations(self, plan: StepPlan, quiet: bool) -> int:
+        """Iterations for this step's call. All it may (`_iterations`) while no request waits or arrives; with every
+        row taken, until the first row that can end by length does (nothing waiting or arriving can start before a
+        row frees, and a row that ends sooner, at a stop token, holds the next one back for at most a call); one
+        otherwise, so that a request waiting for memory or for the step's token budget is taken at the next step."""
+        most = self._iterations(len(plan.rows))
+        if quiet and not self.scheduler.n_waiting:
+            return most
+        if self.scheduler.n_running >= self.scheduler.max_running:
+            return max(1, min(most, *(self.scheduler.remaining(row.seq_id) for row in plan.rows)))
+        return 1
 
     def _iterations(self, n_rows: int) -> int:
         """The most iterations a call of n_rows rows may run: `iterations`, fewer where `max_call_seconds` says."""

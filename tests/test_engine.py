@@ -279,6 +279,24 @@ def test_a_bound_on_call_time_runs_fewer_iterations_per_call(target, prompts, re
     assert bounded >= 1 + 1 + (MAX_TOKENS - 1 - ITERATIONS) > unbounded
 
 
+def test_a_request_waiting_for_a_row_does_not_shorten_the_calls(target, prompts, references):
+    """One row, two requests: the second waits until the first ends, and nothing can start before then, so the first's
+    calls loop as if it were alone (up to its end by length), instead of one iteration a call while a request waits.
+    Each request then takes its prefill step and two decoding calls (8 and 7 iterations)."""
+    prompt = prompts[1]  # 9 tokens: one prefill chunk
+
+    async def main():
+        engine = Engine(target, **{**ENGINE, "max_running": 1})
+        engine.iterations = ITERATIONS
+        async with engine:
+            results = await collect_staggered(engine, [(GenerationRequest(prompt, MAX_TOKENS), 0.0)] * 2)
+        for tokens, done, _ in results:
+            assert tokens == references[prompt] and done.completion_tokens == MAX_TOKENS
+        return engine.steps
+
+    assert anyio.run(main) == 2 * (1 + -(-(MAX_TOKENS - 1) // ITERATIONS))  # 6; one iteration a call: 19
+
+
 def test_calls_that_traced_are_not_priced(target, prompts, references):
     """A device call that traced (and so compiled, or loaded from a cache) is no measure of a step: the policy's cost
     lines and the call-time bound take only calls that did not. `jax.clear_caches()` makes the request's calls trace
