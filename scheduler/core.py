@@ -30,6 +30,8 @@ Per step, in order:
    that could be admitted next).
 3. Admission, first come first served, while running < max_running, budget remains, two planes are free and the
    first chunk's pages leave one free page per running sequence (room to grow before anyone is preempted).
+Device loops run a row until the end of its pages, so rows also hold pages ahead (`lookahead`) while nobody waits,
+or while every row is taken (a waiting request can start only when a row frees; its first chunk's pages stay free).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .memory import DraftCandidate, MemoryManager, RollbackCosts, pages_for
 from .stops import scan_stop_strings
@@ -235,7 +238,7 @@ class Scheduler:
             budget -= n_feed
 
         budget = self._grant_drafts(specs, budget, drafts or {})
-        if self.lookahead and not self._waiting:
+        if self.lookahead and (not self._waiting or len(self._running) >= self.max_running):
             self._hold_lookahead(specs)
 
         while self._waiting and len(self._running) < self.max_running and budget > 0:
@@ -316,9 +319,14 @@ class Scheduler:
     def _hold_lookahead(self, specs: list[_RowSpec]) -> None:
         """Best effort: pages for up to `lookahead` positions past each row's tokens, each row taking at most an
         equal share of the free pages (so that holding them never keeps another running sequence from its share,
-        and a lookahead larger than memory allows still holds what fits)."""
+        and a lookahead larger than memory allows still holds what fits). Requests waiting (for a row: this runs
+        then only with every row taken) keep what admitting them would need: their first chunks' pages, and a free
+        page per running sequence."""
         limit = pages_for(self.max_model_len, self.memory.page_size)
-        share = self.memory.free_pages // max(len(self._running), 1)
+        reserve = sum(pages_for(min(seq.to_compute, self.chunk_size), self.memory.page_size)
+                      for seq in islice(self._waiting, self.max_running))
+        reserve += len(self._running) if self._waiting else 0
+        share = max(0, self.memory.free_pages - reserve) // max(len(self._running), 1)
         for spec in specs:
             seq = spec.seq
             end = seq.n_computed + spec.n_feed + spec.draft_max + self.lookahead

@@ -449,6 +449,30 @@ def test_lookahead_holds_an_equal_share_of_what_fits():
     assert held_after_two_steps(roomy) == {"a": pages_for(3 + 12, 4), "b": pages_for(3 + 12, 4)}
 
 
+def test_lookahead_holds_pages_while_requests_wait_for_a_row():
+    """With every row taken, a request waiting cannot start before a row frees, so the running rows still hold pages
+    ahead (device loops then run past their page ends, instead of one page a call while anyone waits), leaving free
+    what admitting the waiting request would need: its first chunk's pages and a page per running sequence."""
+    prompts = {"a": (1, 2), "b": (3, 4), "c": tuple(range(1, 10))}  # c's first chunk: 3 pages of 4
+
+    def held_after_two_steps(sched):
+        for seq_id, prompt in prompts.items():
+            sched.add(Request(seq_id, prompt, max_tokens=60))
+        plan = sched.schedule()  # admits a and b, a page each; c waits for a row
+        sched.update(plan, verify_greedy(plan, FakeModel(4).run(plan, prompts)))
+        sched.schedule()
+        assert sched.n_waiting == 1
+        return {seq.request.seq_id: len(seq.pages) for seq in sched._running}, sched.memory.free_pages
+
+    roomy = make_scheduler(n_pages=64, page_size=4, max_model_len=80, max_running=2)
+    roomy.lookahead = 12
+    assert held_after_two_steps(roomy)[0] == {"a": pages_for(3 + 12, 4), "b": pages_for(3 + 12, 4)}
+    tight = make_scheduler(n_pages=21, page_size=4, max_model_len=80, max_running=2)  # 20 usable pages
+    tight.lookahead = 400
+    held, free = held_after_two_steps(tight)
+    assert held == {"a": 1 + 6, "b": 1 + 6} and free == 18 - 12 >= 3 + 2  # (18 free - 3 for c - 2) // 2 each
+
+
 def test_preemption_takes_the_youngest_and_loses_nothing():
     # 4 usable pages of 4 tokens: both sequences cannot reach 14 positions at once.
     reqs = [Request("old", (1, 2, 3), max_tokens=11, speculative=spec(2)),
