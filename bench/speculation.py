@@ -15,6 +15,10 @@ probability 1 - A), for a known acceptance rate on models whose own drafters hav
 
     gdnspec bench speculation --model M.gguf --drafters "plain;mtp;synthetic" --synthetic-alpha 0.7 \
         --rollback snapshot,checkpoint --streams 1,8
+
+`--max-seqs` below the streams measures an overloaded engine: the requests beyond its rows wait for one.
+
+    gdnspec bench speculation --streams 16,32 --max-seqs 16 --drafters plain --out bench/results/overload.json
 """
 
 from __future__ import annotations
@@ -93,10 +97,11 @@ def run(args) -> dict:
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
            "p_min": args.p_min, "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha,
-           "kv_dtype": args.kv_dtype, "replicas": args.replicas, "cells": []}  # fmt: skip
+           "kv_dtype": args.kv_dtype, "replicas": args.replicas, "max_seqs": args.max_seqs or max(streams),
+           "cells": []}  # fmt: skip
 
     async def main():
-        engine_args = dict(tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20), max_running=max(streams),
+        engine_args = dict(tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20), max_running=out["max_seqs"],
                            max_model_len=args.max_model_len, n_max=args.n_max, adaptive=not args.fixed_policy,
                            iterations=args.iterations, draft_vocab=args.draft_vocab,
                            extra_drafters=[synthetic] if synthetic else [], kv_dtype=args.kv_dtype)  # fmt: skip
@@ -198,6 +203,9 @@ def main(argv=None) -> dict:
                         help="draft probability below which a chain stops (the request's p_min)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="engines serving side by side, each with its share of the rows and the budget")
+    parser.add_argument("--max-seqs", type=int, default=None,
+                        help="sequences running at once (default: the most streams); fewer than the streams: the "
+                        "others wait for a row")
     return run_and_save(run, parser.parse_args(argv))
 
 
