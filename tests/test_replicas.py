@@ -54,28 +54,9 @@ def test_requests_spread_over_the_engines_and_stay_lossless(model):
     assert [(e.memory.free_pages, e.memory.free_planes) for e in replicas.engines] == free
 
 
-def test_a_request_goes_to_the_engine_with_the_fewest_in_flight(model):
-    replicas = two_engines(model)  # not running: requests stay in flight where they were sent
-
-    async def drain(stream):
-        async for _ in stream:
-            pass
-
-    async def main():
-        counts = []
-        async with anyio.create_task_group() as tg:
-            for _ in range(3):
-                tg.start_soon(drain, replicas.generate(GenerationRequest((5, 6, 7), 4)))
-                await anyio.wait_all_tasks_blocked()
-                counts.append(tuple(engine.n_in_flight for engine in replicas.engines))
-            tg.cancel_scope.cancel()
-        return counts
-
-    assert anyio.run(main) == [(1, 0), (1, 1), (2, 1)]
-
-
-def test_requests_beyond_the_rows_wait_in_one_queue(model):
-    replicas = Replicas([Engine(model, **{**ENGINE, "max_running": 1}) for _ in range(2)])  # not running
+def sent_one_by_one(replicas: Replicas, n: int) -> list[tuple[tuple[int, ...], int]]:
+    """Each engine's requests in flight and the requests waiting, after each of n requests is sent in turn to engines
+    that are not running (so requests stay where they were sent)."""
 
     async def drain(stream):
         async for _ in stream:
@@ -84,15 +65,24 @@ def test_requests_beyond_the_rows_wait_in_one_queue(model):
     async def main():
         seen = []
         async with anyio.create_task_group() as tg:
-            for _ in range(3):
+            for _ in range(n):
                 tg.start_soon(drain, replicas.generate(GenerationRequest((5, 6, 7), 4)))
                 await anyio.wait_all_tasks_blocked()
                 seen.append((tuple(engine.n_in_flight for engine in replicas.engines), replicas.load().waiting))
             tg.cancel_scope.cancel()
         return seen
 
-    # The third holds no engine's row: it waits in the replicas' queue, counted among the waiting.
-    assert anyio.run(main) == [((1, 0), 0), ((1, 1), 0), ((1, 1), 1)]
+    return anyio.run(main)
+
+
+def test_a_request_goes_to_the_engine_with_the_fewest_in_flight(model):
+    assert sent_one_by_one(two_engines(model), 3) == [((1, 0), 0), ((1, 1), 0), ((2, 1), 0)]
+
+
+def test_requests_beyond_the_rows_wait_in_one_queue(model):
+    # One row each: the third request holds no engine's row, and waits in the replicas' queue, counted as waiting.
+    replicas = Replicas([Engine(model, **{**ENGINE, "max_running": 1}) for _ in range(2)])
+    assert sent_one_by_one(replicas, 3) == [((1, 0), 0), ((1, 1), 0), ((1, 1), 1)]
 
 
 def test_a_waiting_request_takes_the_first_row_to_free(model):
