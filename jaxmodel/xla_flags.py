@@ -45,6 +45,6 @@ def step_invariant(environ=os.environ) -> bool:
     the token-serial GDN loop then runs with a trip count XLA cannot see (`delta_rule.recurrent_scan`'s n_steps)
     and CPU attention sums per query (`kernels.paged_attention.query_scores`), so a verify step reproduces decoding steps and
     greedy speculative output equals plain output also where activations are quantized to Q8_0
-    (`tests/test_step_invariance.py`). It costs some speed on CPU (docs/performance.md, "A token's logits do not depend on its
-    step's length"); GDNSPEC_STEP_INVARIANT=0 trades the exact equality for it."""
+    (`tests/test_step_invariance.py`). It costs some speed on CPU (docs/performance.md, "A token's logits do not
+    depend on its step's length"); GDNSPEC_STEP_INVARIANT=0 trades the exact equality for it."""
     return environ.get("GDNSPEC_STEP_INVARIANT", "1") != "0"

@@ -97,9 +97,9 @@ class _NullDetokenizer:
 # stream on CPU beyond its iterations (the first iteration, the worker-thread hand-off, the scheduler's update,
 # streaming the burst): on the bundled model, `gdnspec bench iterations` (paired rounds in one process) measured 32
 # against 8 at 1.50x (plain) and 1.75x (MTP) at one stream and 1.10x (plain) at 16 streams
-# (bench/results/iterations-cpu.json; docs/performance.md, "Iterations per device call"), and 64 against 32 at 1.14x (plain and
-# n-gram) at one stream and 1.07x at 16 streams (bench/results/iterations-cpu-64.json). A request arriving meanwhile
-# waits for the call in flight (at most `DEFAULT_MAX_CALL_SECONDS`).
+# (bench/results/iterations-cpu.json; docs/performance.md, "Iterations per device call"), and 64 against 32 at 1.14x
+# (plain and n-gram) at one stream and 1.07x at 16 streams (bench/results/iterations-cpu-64.json). A request arriving
+# meanwhile waits for the call in flight (at most `DEFAULT_MAX_CALL_SECONDS`).
 DEFAULT_ITERATIONS = 64
 # ... and no more of them than fit in this long a call, by the last decoding call's time per iteration at that many
 # rows: a 16-row iteration of the bundled model takes about 3 ms on CPU, a one-row one of the 0.8B shape 60 ms.
@@ -162,8 +162,9 @@ class Engine:
         background_warmup: while running and idle, compile the shapes `warmup` would, one at a time, then calibrate
         (a server then listens at once; requests arriving meanwhile compile what they need first). kv_dtype: the
         target's KV pages (the MTP head's included), "float32" or "float16" (half the bytes a page, so twice the
-        positions in the same budget, and half the bytes attention reads at a long context; docs/performance.md, "A float16 KV
-        cache"). row_buckets: the batch sizes the steps compile (`Shapes.row_buckets`; default: powers of 4)."""
+        positions in the same budget, and half the bytes attention reads at a long context; docs/performance.md, "A
+        float16 KV cache"). row_buckets: the batch sizes the steps compile (`Shapes.row_buckets`; default: powers of
+        4)."""
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
         cfg = model.cfg

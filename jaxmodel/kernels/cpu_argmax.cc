@@ -2,9 +2,9 @@
 // dimensions), as jnp.argmax picks it: the first of equal maxima, and the first NaN where a row has one.
 //
 // XLA's CPU backend computes an argmax as a reduction over (value, index) pairs, one element at a time: 20 us for
-// a row of 4096 logits, about as long as the output head's product that made them (docs/performance.md, "What an iteration
-// costs"). Here eight lanes each keep their first maximum, which a strict comparison does, and the lanes are then
-// merged by value and, among equal values, by the smaller index; NaN is looked for only in a row that has one.
+// a row of 4096 logits, about as long as the output head's product that made them (docs/performance.md, "What an
+// iteration costs"). Here eight lanes each keep their first maximum, which a strict comparison does, and the lanes are
+// then merged by value and, among equal values, by the smaller index; NaN is looked for only in a row that has one.
 // Reference: jnp.argmax; tests: tests/test_cpu_argmax.py.
 
 #include <cmath>

@@ -14,8 +14,8 @@
 // maximum, then exp(score - max) for eight keys at a time (`exp8`), summed in eight lanes over the keys in order and
 // then lane by lane; the output adds p_j * v_j over j in order and divides by the sum. Nothing depends on T or on
 // the other queries, so a token's attention is the same bits in a decoding step and in a verify step (XLA's dot
-// picks its summation order by the number of query rows; docs/performance.md, "A token's logits do not depend on its step's
-// length").
+// picks its summation order by the number of query rows; docs/performance.md, "A token's logits do not depend on its
+// step's length").
 //
 // Reference: `paged_attention_reference` in paged_attention.py; tests: tests/test_cpu_attention.py.
 

@@ -11,9 +11,9 @@
 //
 // XLA computes the conv as a dot batched over the channels: a fused multiply-and-reduce at one token, a batched
 // dot with copies around it at more, whose order of summation follows the shape (one row of two tokens sums
-// otherwise; docs/performance.md, "What a verify row adds at one stream, and the causal conv as a kernel"). Here the channels
-// are the vector lanes and each sum is x_0 w_0, then one FMA per later tap, oldest first, on every lane (a last
-// partial group of channels computes its other lanes on zeros): XLA's order at one token, and a channel's value is
+// otherwise; docs/performance.md, "What a verify row adds at one stream, and the causal conv as a kernel"). Here the
+// channels are the vector lanes and each sum is x_0 w_0, then one FMA per later tap, oldest first, on every lane (a
+// last partial group of channels computes its other lanes on zeros): XLA's order at one token, and a channel's value is
 // the same bits whatever T, B or the channels around it, so decoding, verifying and replay's rebuild (which
 // convolves the key and value channels alone) agree. Reference: `causal_conv_reference` in cpu_conv.py; tests:
 // tests/test_cpu_conv.py.

@@ -12,7 +12,8 @@
 // The weight is read in GGUF's order, [N, K] (each output's weights contiguous, llama.cpp's loop order): every
 // weight row is loaded once and multiplied into all M rows of x (held in L1), so a product of a few rows costs
 // about what one row costs, where XLA's CPU dot packs the whole weight for each product and a 4-row one costs
-// 2-2.5x a one-row one (docs/performance.md, "Model step"). Output columns are split in chunks over XLA's intra-op thread pool.
+// 2-2.5x a one-row one (docs/performance.md, "Model step"). Output columns are split in chunks over XLA's intra-op
+// thread pool.
 //
 // Every output element is summed in the same order whatever M and the chunking (float32: eight strided partial sums
 // over k, one per vector lane, added lane by lane, then the tail k >= K & ~7; Q8_0: block after block). So row m of
