@@ -32,6 +32,7 @@ from .decoding_rows import PAGE_SIZE, PLANES_PER_ROW, committed_tokens, prefille
 from .prompts import load_prompt_set
 from .speculation import _run, model_arguments
 
+
 class Replica:
     """A runtime and its decoding rows, prefilled from `prompts`: `call()` runs one looping call over all of them
     from the prompts' ends and returns each row's tokens. Only the first call's tokens follow the prefill exactly (a

@@ -88,6 +88,7 @@ def run(args) -> dict:
     tokenizer = load_tokenizer(args.model)
     prompts = [tuple(tokenizer.encode(p)) for p in load_prompt_set(args.prompts)]
     streams = [int(s) for s in args.streams.split(",")]
+    max_seqs = args.max_seqs or max(streams)
     policies = [p for p in args.drafters.split(";")]
     modes = args.rollback.split(",")
     synthetic = None
@@ -97,11 +98,11 @@ def run(args) -> dict:
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
            "p_min": args.p_min, "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha,
-           "kv_dtype": args.kv_dtype, "replicas": args.replicas, "max_seqs": args.max_seqs or max(streams),
+           "kv_dtype": args.kv_dtype, "replicas": args.replicas, "max_seqs": max_seqs,
            "cells": []}  # fmt: skip
 
     async def main():
-        engine_args = dict(tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20), max_running=out["max_seqs"],
+        engine_args = dict(tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20), max_running=max_seqs,
                            max_model_len=args.max_model_len, n_max=args.n_max, adaptive=not args.fixed_policy,
                            iterations=args.iterations, draft_vocab=args.draft_vocab,
                            extra_drafters=[synthetic] if synthetic else [], kv_dtype=args.kv_dtype)  # fmt: skip
