@@ -28,9 +28,11 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "cpu_blocks.h"
 #include "cpu_pool.h"
 #include "cpu_vector.h"
 
@@ -493,50 +495,213 @@ void scaled_row(const float* x, float scale, const float* weight, const float* g
   }
 }
 
+// Checks a prologue's operands and runs product(cost_per_element, input) with the function that writes a live
+// row's input (`q8_product`'s and `block_product`'s `input`). x is [M, K], or [M, 2K] for swiglu.
+template <typename Product>
+ffi::Error with_prologue(const char* name, int32_t prologue, const float* xp, int64_t M, int64_t x_cols, int64_t K,
+                         const float* wp, int64_t G, const float* zp, int64_t gate_count, float eps,
+                         const Product& product) {
+  switch (prologue) {
+    case kRmsNorm:
+      if (G != K) return ffi::Error::InvalidArgument(std::string(name) + ": rms_norm's weight is [K]");
+      return product(2, [=](int64_t m, float* y) {
+        const float* row = xp + m * K;
+        scaled_row(row, inverse_rms(row, K, eps), wp, nullptr, K, y);
+        return (const float*)y;
+      });
+    case kSwiglu:
+      if (x_cols != 2 * K) return ffi::Error::InvalidArgument(std::string(name) + ": swiglu's x is [M, 2K]");
+      return product(8, [=](int64_t m, float* y) {
+        const float *g = xp + m * 2 * K, *u = g + K;
+        const int64_t K8 = K & ~int64_t(7);
+        for (int64_t k = 0; k < K8; k += 8) *(v8*)(y + k) = silu8(*(const v8*)(g + k)) * *(const v8*)(u + k);
+        for (int64_t k = K8; k < K; ++k) y[k] = silu8(splat(g[k]))[0] * u[k];
+        return (const float*)y;
+      });
+    case kGatedRmsNorm:
+      if (G < 1 || K % G != 0 || gate_count != M * K)
+        return ffi::Error::InvalidArgument(std::string(name) +
+                                           ": the gated norm's weight is [G] with K a multiple of G, its gate [M, K]");
+      return product(8, [=](int64_t m, float* y) {
+        for (int64_t g0 = m * K; g0 < (m + 1) * K; g0 += G)
+          scaled_row(xp + g0, inverse_rms(xp + g0, G, eps), wp, zp + g0, G, y + g0 - m * K);
+        return (const float*)y;
+      });
+    default:
+      return ffi::Error::InvalidArgument(std::string(name) + ": unknown prologue " + std::to_string(prologue));
+  }
+}
+
 ffi::Error Q8RowsMatmulPrologue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> wq,
                                 ffi::Buffer<ffi::F32> wd, ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> weight,
                                 ffi::Buffer<ffi::F32> gate, ffi::ResultBuffer<ffi::F32> out, int32_t prologue,
                                 float eps) {
   const auto xs = x.dimensions();
   if (xs.size() != 2) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: x must be 2-D");
-  const int64_t M = xs[0], K = prologue == kSwiglu ? xs[1] / 2 : xs[1], G = weight.element_count();
+  const int64_t M = xs[0], K = prologue == kSwiglu ? xs[1] / 2 : xs[1];
   if (auto error = q8_shapes("q8_rows_matmul_prologue", wq.dimensions(), wd.dimensions(), K); error.failure())
     return error;
   if (live.element_count() != M) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: live is [M]");
-  const float *xp = x.typed_data(), *wp = weight.typed_data(), *zp = gate.typed_data();
   const int8_t* wqp = wq.typed_data();
   const float* wdp = wd.typed_data();
   const int64_t N = wq.dimensions()[0];
   float* op = out->typed_data();
-  switch (prologue) {
-    case kRmsNorm:
-      if (G != K) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: rms_norm's weight is [K]");
-      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 2, [=](int64_t m, float* y) {
-        const float* row = xp + m * K;
-        scaled_row(row, inverse_rms(row, K, eps), wp, nullptr, K, y);
-        return y;
-      });
-    case kSwiglu:
-      if (xs[1] != 2 * K) return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: swiglu's x is [M, 2K]");
-      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 8, [=](int64_t m, float* y) {
-        const float *g = xp + m * 2 * K, *u = g + K;
-        const int64_t K8 = K & ~int64_t(7);
-        for (int64_t k = 0; k < K8; k += 8) *(v8*)(y + k) = silu8(*(const v8*)(g + k)) * *(const v8*)(u + k);
-        for (int64_t k = K8; k < K; ++k) y[k] = silu8(splat(g[k]))[0] * u[k];
-        return y;
-      });
-    case kGatedRmsNorm:
-      if (G < 1 || K % G != 0 || gate.element_count() != M * K)
-        return ffi::Error::InvalidArgument(
-            "q8_rows_matmul_prologue: the gated norm's weight is [G] with K a multiple of G, its gate [M, K]");
-      return q8_product(pool, live.typed_data(), M, K, wqp, wdp, N, op, 8, [=](int64_t m, float* y) {
-        for (int64_t g0 = m * K; g0 < (m + 1) * K; g0 += G)
-          scaled_row(xp + g0, inverse_rms(xp + g0, G, eps), wp, zp + g0, G, y + g0 - m * K);
-        return y;
-      });
-    default:
-      return ffi::Error::InvalidArgument("q8_rows_matmul_prologue: unknown prologue " + std::to_string(prologue));
+  const int32_t* lp = live.typed_data();
+  return with_prologue("q8_rows_matmul_prologue", prologue, x.typed_data(), M, xs[1], K, weight.typed_data(),
+                       weight.element_count(), gate.typed_data(), gate.element_count(), eps,
+                       [&](int64_t cost, const auto& input) {
+                         return q8_product(pool, lp, M, K, wqp, wdp, N, op, cost, input);
+                       });
+}
+
+// ---------------------------------------------------------------------------------------------- Block formats
+//
+// out[M, N] = x[M, K] @ dequant(w[N, K / block * bytes])^T for weights kept as their file's ggml blocks (Q4_0, Q5_0,
+// Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS; cpu_blocks.h), one weight row after another as the file holds them: each live row
+// of x quantized as llama.cpp quantizes it for that type (Q8_0 or Q8_K), then per weight row its blocks multiplied
+// into up to four rows of x at a time, the row's bytes staying in L1 for the next four. A row's result depends on
+// that row of x only.
+
+namespace blk = gdnspec::blocks;
+
+#if GDNSPEC_BLOCKS
+template <typename Format>
+constexpr int64_t block_of() { return std::is_same_v<typename Format::Act, blk::ActQ8_K> ? 256 : 32; }
+
+inline void quantize_act(const float* x, int64_t K, blk::ActQ8_K* y) { blk::quantize_row_q8_K(x, K, y); }
+inline void quantize_act(const float* x, int64_t K, blk::ActQ8_0* y) {
+  for (int64_t b = 0; b < K / 32; ++b) quantize_rows_q8_0(x + 32 * b, 1, 32, y[b].qs, &y[b].d);
+}
+
+template <typename Format>
+void block_columns(const uint8_t* w, const typename Format::Act* x, float* const* out, int64_t L, int64_t nb,
+                   int64_t n0, int64_t n1) {
+  using Act = typename Format::Act;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wn = w + n * nb * Format::kBytes;
+    for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
+      const Act* rows[kRowBlock];
+      float sums[kRowBlock];
+      const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
+      for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * nb;
+      switch (mr) {
+        case 1: Format::template dot<1>(wn, rows, nb, sums); break;
+        case 2: Format::template dot<2>(wn, rows, nb, sums); break;
+        case 3: Format::template dot<3>(wn, rows, nb, sums); break;
+        default: Format::template dot<4>(wn, rows, nb, sums); break;
+      }
+      for (int r = 0; r < mr; ++r) out[m0 + r][n] = sums[r];
+    }
   }
+}
+
+// As q8_product, for a block format.
+template <typename Format, typename Input>
+ffi::Error block_product(ffi::ThreadPool& pool, const int32_t* live, int64_t M, int64_t K, const uint8_t* w,
+                         int64_t N, float* out, int64_t cost_per_element, const Input& input) {
+  using Act = typename Format::Act;
+  thread_local LiveRows rows;
+  thread_local std::vector<Act> xa;
+  rows.find(live, M, out, N);
+  const int64_t L = rows.count(), nb = K / block_of<Format>();
+  if (L == 0) return ffi::Error::Success();
+  if (xa.size() < size_t(L * nb)) xa.resize(L * nb);
+  {
+    const int64_t* index = rows.index.data();
+    Act* a = xa.data();
+    gdnspec::over_chunks(pool, L, L * K * cost_per_element >= kMinParallelInput, [=, &input](int64_t i) {
+      thread_local std::vector<float> buffer;
+      if (buffer.size() < size_t(K)) buffer.resize(K);
+      quantize_act(input(index[i], buffer.data()), K, a + i * nb);
+    });
+  }
+  const Act* ap = xa.data();
+  float* const* op = rows.out.data();
+  over_columns(pool, N, L * N * K, kQ8MinParallelWork,
+               [=](int64_t n0, int64_t n1) { block_columns<Format>(w, ap, op, L, nb, n0, n1); });
+  return ffi::Error::Success();
+}
+#endif
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// run(Tag<Format>{}) for ggml type `type`; an error naming it where this build has no product for it.
+template <typename Run>
+ffi::Error with_format(const char* name, int32_t type, const Run& run) {
+#if GDNSPEC_BLOCKS
+  switch (type) {
+    case blk::kQ4_0: return run(Tag<blk::Q4_0>{});
+    case blk::kQ5_0: return run(Tag<blk::Q5_0>{});
+    case blk::kQ8_0: return run(Tag<blk::Q8_0>{});
+    case blk::kQ4_K: return run(Tag<blk::Q4_K>{});
+    case blk::kQ5_K: return run(Tag<blk::Q5_K>{});
+    case blk::kQ6_K: return run(Tag<blk::Q6_K>{});
+    case blk::kIQ4_XS: return run(Tag<blk::IQ4_XS>{});
+  }
+  return ffi::Error::InvalidArgument(std::string(name) + ": no product for ggml type " + std::to_string(type));
+#else
+  return ffi::Error::InvalidArgument(std::string(name) + ": built without AVX2, F16C and FMA");
+#endif
+}
+
+template <typename Format>
+ffi::Error block_shapes(const char* name, ffi::Span<const int64_t> ws, int64_t K) {
+#if GDNSPEC_BLOCKS
+  const int64_t block = block_of<Format>();
+  if (ws.size() == 2 && K % block == 0 && ws[1] == K / block * Format::kBytes) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + ": w is [N, K / " + std::to_string(block) + " * " +
+                                     std::to_string(Format::kBytes) + "] bytes with K (x's, or half of it for "
+                                     "swiglu) a multiple of " + std::to_string(block) + "; K is " + std::to_string(K));
+#else
+  return ffi::Error::Success();
+#endif
+}
+
+ffi::Error BlockRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                           ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out, int32_t type) {
+  const auto xs = x.dimensions();
+  if (xs.size() != 2) return ffi::Error::InvalidArgument("block_rows_matmul: x must be [M, K]");
+  const int64_t M = xs[0], K = xs[1];
+  if (live.element_count() != M) return ffi::Error::InvalidArgument("block_rows_matmul: live is [M]");
+  const float* xp = x.typed_data();
+  return with_format("block_rows_matmul", type, [&](auto tag) {
+    using Format = typename decltype(tag)::type;
+    if (auto error = block_shapes<Format>("block_rows_matmul", w.dimensions(), K); error.failure()) return error;
+#if GDNSPEC_BLOCKS
+    return block_product<Format>(pool, live.typed_data(), M, K, w.typed_data(), w.dimensions()[0],
+                                 out->typed_data(), 1, [=](int64_t m, float*) { return xp + m * K; });
+#else
+    return ffi::Error::Success();
+#endif
+  });
+}
+
+ffi::Error BlockRowsMatmulPrologue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                                   ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> weight,
+                                   ffi::Buffer<ffi::F32> gate, ffi::ResultBuffer<ffi::F32> out, int32_t type,
+                                   int32_t prologue, float eps) {
+  const auto xs = x.dimensions();
+  if (xs.size() != 2) return ffi::Error::InvalidArgument("block_rows_matmul_prologue: x must be 2-D");
+  const int64_t M = xs[0], K = prologue == kSwiglu ? xs[1] / 2 : xs[1];
+  if (live.element_count() != M) return ffi::Error::InvalidArgument("block_rows_matmul_prologue: live is [M]");
+  return with_format("block_rows_matmul_prologue", type, [&](auto tag) {
+    using Format = typename decltype(tag)::type;
+    if (auto error = block_shapes<Format>("block_rows_matmul_prologue", w.dimensions(), K); error.failure())
+      return error;
+    return with_prologue("block_rows_matmul_prologue", prologue, x.typed_data(), M, xs[1], K, weight.typed_data(),
+                         weight.element_count(), gate.typed_data(), gate.element_count(), eps,
+                         [&](int64_t cost, const auto& input) {
+#if GDNSPEC_BLOCKS
+                           return block_product<Format>(pool, live.typed_data(), M, K, w.typed_data(),
+                                                        w.dimensions()[0], out->typed_data(), cost, input);
+#else
+                           return ffi::Error::Success();
+#endif
+                         });
+  });
 }
 
 // x, quants, scales and live: what both Q8_0 targets take first.
@@ -568,3 +733,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul_prologue, Q8RowsMatmulProlo
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("prologue")
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul, BlockRowsMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("type"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul_prologue, BlockRowsMatmulPrologue,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weight (rms_norm, gated_rms_norm)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate (gated_rms_norm)
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("type")
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));
+
+// Whether this build has the block products (AVX2, F16C and FMA).
+extern "C" int gdnspec_block_kernels() { return GDNSPEC_BLOCKS; }

@@ -48,10 +48,12 @@ log = logging.getLogger(__name__)
 # delta rule (`cpu_gdn`), greedy's argmax (`cpu_argmax`), the GDN's causal conv (`cpu_conv`).
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_matmul.cc", "cpu_attention.cc", "cpu_gdn.cc", "cpu_argmax.cc", "cpu_conv.cc"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vector.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("cpu_pool.h", "cpu_vector.h", "cpu_blocks.h"))
 TARGET = "gdnspec_rows_matmul"
 TARGET_Q8 = "gdnspec_q8_rows_matmul"
 TARGET_Q8_PROLOGUE = "gdnspec_q8_rows_matmul_prologue"
+TARGET_BLOCKS = "gdnspec_block_rows_matmul"
+TARGET_BLOCKS_PROLOGUE = "gdnspec_block_rows_matmul_prologue"
 TARGET_ATTENTION = "gdnspec_paged_attention"
 TARGET_ATTENTION_F16 = "gdnspec_paged_attention_f16"
 TARGET_GDN = "gdnspec_gdn_recurrent"
@@ -135,10 +137,25 @@ def available() -> bool:
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
         log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
-    for target in (TARGET, TARGET_Q8, TARGET_Q8_PROLOGUE, TARGET_ATTENTION, TARGET_ATTENTION_F16, TARGET_GDN,
+    _block_kernels.append(bool(library.gdnspec_block_kernels()))
+    for target in (TARGET, TARGET_Q8, TARGET_Q8_PROLOGUE, TARGET_BLOCKS, TARGET_BLOCKS_PROLOGUE, TARGET_ATTENTION, TARGET_ATTENTION_F16, TARGET_GDN,
                    TARGET_ARGMAX, TARGET_CONV, TARGET_CONV_PLANES):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
+
+
+_block_kernels: list[bool] = []  # set by `available()`
+
+
+def block_kernels() -> bool:
+    """Whether the block products (`block_rows_matmul`) run here: the library is `available()` and was built for a
+    CPU with AVX2, F16C and FMA."""
+    return available() and _block_kernels[-1]
+
+
+# ggml types `block_rows_matmul` multiplies (gguf.GGMLQuantizationType values), and the activation type each
+# quantizes x to, as llama.cpp's CPU backend does: Q8_0 for the 32-weight blocks, Q8_K for the super-blocks.
+BLOCK_TYPES = {2: "Q8_0", 6: "Q8_0", 8: "Q8_0", 12: "Q8_K", 13: "Q8_K", 14: "Q8_K", 23: "Q8_K"}
 
 
 def _live_rows(live: jax.Array | None, M: int) -> jax.Array:
@@ -304,3 +321,81 @@ def q8_rows_matmul_reference(x: jax.Array, quants: jax.Array, scales: jax.Array,
     dots = jnp.einsum("mbi,nbi->mnb", xq.reshape(M, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.int32),
                       quants.reshape(N, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.int32))
     return _zero_dead_rows(jnp.sum(dots.astype(jnp.float32) * (xd[:, None, :] * scales[None, :, :]), axis=-1), live)
+
+
+def _check_blocks(name: str, K: int, blocks: jax.Array, qtype: int) -> None:
+    from jaxmodel.quant_blocks import FORMATS, row_bytes
+
+    if int(qtype) not in BLOCK_TYPES:
+        names = ", ".join(FORMATS[t].qtype.name for t in FORMATS if int(t) in BLOCK_TYPES)
+        raise ValueError(f"{name}: no product for ggml type {qtype} (one of {names})")
+    if blocks.ndim != 2 or blocks.dtype != jnp.uint8 or blocks.shape[1] != row_bytes(qtype, K):
+        raise ValueError(f"{name} takes uint8 blocks [N, {row_bytes(qtype, K)}] for K = {K}; got "
+                         f"{blocks.dtype}{blocks.shape}")
+
+
+def block_rows_matmul(x: jax.Array, blocks: jax.Array, qtype: int, live: jax.Array | None = None) -> jax.Array:
+    """x [M, K] float32 @ dequant(blocks [N, K / block * block_bytes] uint8, ggml type qtype)^T -> [M, N] float32,
+    as llama.cpp's CPU backend computes it: x's rows quantized to the type's activation format (`BLOCK_TYPES`), exact
+    integer products per block (cpu_blocks.h; requires `block_kernels()`). Row m depends on x[m] and the weight
+    only. live [M] (optional): rows where it is false are padding, not computed, and come back as 0."""
+    M, K = x.shape
+    _check_blocks("block_rows_matmul", K, blocks, qtype)
+    out = jax.ShapeDtypeStruct((M, blocks.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_BLOCKS, out, vmap_method="sequential")(
+        x.astype(jnp.float32), blocks, _live_rows(live, M), type=np.int32(qtype))
+
+
+def block_rows_matmul_prologue(prologue: str, x: jax.Array, blocks: jax.Array, qtype: int,
+                               live: jax.Array | None = None, weight: jax.Array | None = None,
+                               gate: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+    """`block_rows_matmul` of x after a prologue, as `q8_rows_matmul_prologue` (its operands and shapes)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"unknown prologue {prologue!r}; one of {sorted(PROLOGUES)}")
+    K = x.shape[-1] // 2 if prologue == "swiglu" else x.shape[-1]
+    if x.ndim != 2 or x.dtype != jnp.float32:
+        raise ValueError(f"block_rows_matmul_prologue({prologue!r}) takes float32 x [M, K]; got {x.dtype}{x.shape}")
+    _check_blocks("block_rows_matmul_prologue", K, blocks, qtype)
+    if (weight is None) != (prologue == "swiglu") or (gate is None) != (prologue != "gated_rms_norm"):
+        raise ValueError(f"{prologue!r} takes {'no weight' if prologue == 'swiglu' else 'a weight'} and "
+                         f"{'a gate' if prologue == 'gated_rms_norm' else 'no gate'}")
+    nothing = jnp.zeros((1,), jnp.float32)
+    weight = nothing if weight is None else weight.astype(jnp.float32)
+    gate = nothing if gate is None else gate.astype(jnp.float32)
+    M = x.shape[0]
+    out = jax.ShapeDtypeStruct((M, blocks.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_BLOCKS_PROLOGUE, out, vmap_method="sequential")(
+        x, blocks, _live_rows(live, M), weight, gate, type=np.int32(qtype), prologue=np.int32(PROLOGUES[prologue]),
+        eps=np.float32(eps))  # fmt: skip
+
+
+def quantize_rows_q8_K(x: jax.Array) -> jax.Array:
+    """x [M, K] float32 (K a multiple of 256) -> its Q8_K values d * q [M, K] as llama.cpp's quantize_row_q8_K
+    makes them: per 256, the element of largest magnitude maps to -127, q = round(x / d) (half to even) capped at
+    127."""
+    M, K = x.shape
+    blocks = x.reshape(M, K // 256, 256)
+    at = jnp.argmax(jnp.abs(blocks), axis=-1)[..., None]  # the first of the largest, as llama.cpp's strict >
+    peak = jnp.take_along_axis(blocks, at, axis=-1)
+    iscale = jnp.where(peak != 0, jnp.float32(-127) / jnp.where(peak != 0, peak, 1), 0)
+    q = jnp.minimum(jnp.round(iscale * blocks), 127)
+    d = jnp.where(peak != 0, 1 / jnp.where(iscale != 0, iscale, 1), 0)
+    return (q * d).reshape(M, K)
+
+
+def block_rows_matmul_reference(x: jax.Array, blocks: jax.Array, qtype: int,
+                                live: jax.Array | None = None) -> jax.Array:
+    """The specification of `block_rows_matmul`: the weight dequantized (`quant_blocks.dequantize`, ggml's
+    values), x's rows quantized to the type's activation format and back, one float32 product (XLA's order, not
+    the kernel's); rows not live 0."""
+    from jaxmodel.quant_blocks import dequantize
+
+    M, K = x.shape
+    if BLOCK_TYPES[int(qtype)] == "Q8_K":
+        xq = quantize_rows_q8_K(x)
+    else:
+        q, d = quantize_rows_q8_0(x)
+        xq = (q.reshape(M, K // Q8_BLOCK, Q8_BLOCK).astype(jnp.float32) * d[..., None]).reshape(M, K)
+    w = dequantize(blocks, qtype)
+    y = jnp.einsum("mk,nk->mn", xq, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return _zero_dead_rows(y, live)

@@ -1,0 +1,338 @@
+// Dot products of ggml block-quantized weight rows (the file's bytes, GGUF's order) with quantized activations, for
+// the CPU block product (cpu_matmul.cc, "Block formats"). Each format is llama.cpp's: its block layout, the
+// activation type its CPU backend quantizes x to (Q8_0 for the 32-weight blocks, Q8_K for the 256-weight super-blocks),
+// and its AVX2 vec_dot arithmetic (exact integer products per block, scaled into eight float lanes, the lanes added
+// at the end), extended to MR rows of x: a weight block is loaded and unpacked once and multiplied into every row.
+// A row's sum depends on that row of x and the weight row only, in one order whatever MR, so a verify step's products
+// equal a one-token step's bit for bit.
+//
+// Shapes: a weight row of K inputs is K / kBlock blocks of kBytes; an activation row is K / kBlock `Act` blocks.
+// Every format's `dot<MR>(w, x, nb, out)`: w one weight row (nb blocks), x[m] row m's activation blocks, out[m] its
+// sum. AVX2 only (GDNSPEC_BLOCKS is 0 elsewhere; the model then dequantizes with jnp, jaxmodel/quant_blocks.py).
+// Reference: `block_rows_matmul_reference` in cpu_matmul.py; tests: tests/test_cpu_block_matmul.py.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GDNSPEC_BLOCKS 1
+#include <immintrin.h>
+#else
+#define GDNSPEC_BLOCKS 0
+#endif
+
+namespace gdnspec::blocks {
+
+// ggml's type numbers (GGMLQuantizationType).
+enum Type : int32_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_XS = 23 };
+
+// Activations, as llama.cpp quantizes them: Q8_0 (32 int8 and an f16 scale, here held as the float it rounds to)
+// and Q8_K (256 int8, a float scale, and the sums of each 16 quants).
+struct ActQ8_0 {
+  float d;
+  int8_t qs[32];
+};
+struct ActQ8_K {
+  float d;
+  int8_t qs[256];
+  int16_t bsums[16];
+};
+
+#if GDNSPEC_BLOCKS
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline float hsum8(__m256 x) {
+  __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+inline float hsum4(__m128 r) {
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// Sum of products of unsigned bytes u and signed bytes s, pairs added into 16 bits and then into eight int32 lanes.
+inline __m256i dot_us8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// The same for signed x and y (|x| carried as unsigned, its sign moved onto y).
+inline __m256i dot_s8(__m256i x, __m256i y) { return dot_us8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x)); }
+
+// 32 weights of 4 bits (16 bytes: low nibbles are weights 0-15, high nibbles 16-31) as bytes.
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i t = _mm_loadu_si128((const __m128i*)p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0xF));
+}
+
+// 32 bits as 32 bytes, 0xFF where the bit is set.
+inline __m256i bits32(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(x)), shuffle);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+}
+
+// ---------------------------------------------------------------------------------------------- 32-weight blocks
+// w = d * q with q signed (Q8_0: int8; Q4_0: nibble - 8; Q5_0: 5 bits - 16), against Q8_0 activations:
+// acc += (d_w * d_x) * sum(q * x_q) in eight lanes.
+
+template <typename Unpack>
+struct Block32 {
+  using Act = ActQ8_0;
+  static constexpr int64_t kBytes = Unpack::kBytes;
+  template <int MR>
+  static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
+    __m256 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* block = w + b * Unpack::kBytes;
+      const float dw = half(block);
+      const __m256i q = Unpack::quants(block);
+      const __m256i q_abs = _mm256_sign_epi8(q, q);
+      for (int m = 0; m < MR; ++m) {
+        const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)x[m][b].qs), q);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x[m][b].d), _mm256_cvtepi32_ps(dot_us8(q_abs, y)), acc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]);
+  }
+};
+
+struct UnpackQ8_0 {  // f16 d, 32 int8
+  static constexpr int64_t kBytes = 34;
+  static __m256i quants(const uint8_t* b) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+};
+struct UnpackQ4_0 {  // f16 d, 16 bytes of nibbles
+  static constexpr int64_t kBytes = 18;
+  static __m256i quants(const uint8_t* b) { return _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)); }
+};
+struct UnpackQ5_0 {  // f16 d, 4 bytes of fifth bits, 16 bytes of nibbles: q = nibble | bit << 4, less 16
+  static constexpr int64_t kBytes = 22;
+  static __m256i quants(const uint8_t* b) {
+    // (nibble | 0xF0) where the bit is clear: nibble - 16 as a signed byte.
+    return _mm256_or_si256(nibbles32(b + 6), _mm256_andnot_si256(bits32(b + 2), _mm256_set1_epi8(char(0xF0))));
+  }
+};
+
+using Q8_0 = Block32<UnpackQ8_0>;
+using Q4_0 = Block32<UnpackQ4_0>;
+using Q5_0 = Block32<UnpackQ5_0>;
+
+// ---------------------------------------------------------------------------------------------- K-quants
+
+// Picks int16 scale i of 16 (bytes 2i, 2i+1), broadcast.
+inline __m256i scale_k4(__m256i scales, int i) {
+  return _mm256_shuffle_epi8(scales, _mm256_set1_epi16(short((2 * i) | ((2 * i + 1) << 8))));
+}
+
+// The eight 6-bit scales and eight 6-bit mins of a Q4_K / Q5_K super-block (12 bytes) as 16 int16: scales, mins.
+inline __m256i scales_and_mins(const uint8_t* packed) {
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+  const uint32_t mins_low = u[1] & kmask1;
+  u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+  u[2] = mins_low;
+  u[0] &= kmask1;
+  return _mm256_cvtepu8_epi16(_mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0])));
+}
+
+// Q4_K / Q5_K: 256 weights in eight sub-blocks of 32, w = d * sc_j * q - dmin * m_j (q unsigned 4 or 5 bits):
+// acc += (d_x d) * sum_j sc_j sum(q x_q) in eight lanes, acc_m += (-d_x dmin) * sum_j m_j sum(x_q) in four.
+template <bool kFifthBit>
+struct QK45 {
+  using Act = ActQ8_K;
+  static constexpr int64_t kBytes = kFifthBit ? 176 : 144;  // f16 d, f16 dmin, 12 scale bytes, [32 qh], 128 qs
+  template <int MR>
+  static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
+    __m256 acc[MR];
+    __m128 acc_m[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps(), acc_m[m] = _mm_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0xF);
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* block = w + i * kBytes;
+      const float d = half(block), dmin = half(block + 2);
+      const __m256i sm = scales_and_mins(block + 4);
+      const __m128i mins = _mm256_extracti128_si256(sm, 1);
+      const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
+      const uint8_t* qs = block + (kFifthBit ? 48 : 16);
+      const __m256i high_bits = kFifthBit ? _mm256_loadu_si256((const __m256i*)(block + 16)) : _mm256_setzero_si256();
+      __m256i sumi[MR];
+      for (int m = 0; m < MR; ++m) {
+        const __m256i bsums = _mm256_loadu_si256((const __m256i*)x[m][i].bsums);
+        const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+        acc_m[m] = _mm_fmadd_ps(_mm_set1_ps(-x[m][i].d * dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, pairs)), acc_m[m]);
+        sumi[m] = _mm256_setzero_si256();
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m256i bits = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+        __m256i q_low = _mm256_and_si256(bits, low4);
+        __m256i q_high = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
+        if constexpr (kFifthBit) {
+          const __m256i one = _mm256_set1_epi8(1);
+          q_low = _mm256_add_epi8(q_low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high_bits, 2 * j), one), 4));
+          q_high = _mm256_add_epi8(
+              q_high, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high_bits, 2 * j + 1), one), 4));
+        }
+        const __m256i scale_low = scale_k4(scales, 2 * j), scale_high = scale_k4(scales, 2 * j + 1);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* q8 = x[m][i].qs + 64 * j;
+          const __m256i p_low = _mm256_madd_epi16(
+              scale_low, _mm256_maddubs_epi16(q_low, _mm256_loadu_si256((const __m256i*)q8)));
+          const __m256i p_high = _mm256_madd_epi16(
+              scale_high, _mm256_maddubs_epi16(q_high, _mm256_loadu_si256((const __m256i*)(q8 + 32))));
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(p_low, p_high));
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m][i].d * d), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]) + hsum4(acc_m[m]);
+  }
+};
+
+using Q4_K = QK45<false>;
+using Q5_K = QK45<true>;
+
+// Q6_K: 256 weights in sixteen sub-blocks of 16, w = d * sc_j * (q - 32), q 6 bits (128 bytes of low nibbles, 64 of
+// high bit pairs), sc_j int8: acc += (d_x d) * (sum_j sc_j sum(q x_q) - 32 sum_j sc_j sum(x_q)).
+struct Q6_K {
+  using Act = ActQ8_K;
+  static constexpr int64_t kBytes = 210;  // 128 ql, 64 qh, 16 int8 scales, f16 d
+  template <int MR>
+  static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
+    __m256 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3), m15 = _mm256_set1_epi8(15);
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* block = w + i * kBytes;
+      const float d = half(block + 208);
+      const __m128i scales = _mm_loadu_si128((const __m128i*)(block + 192));
+      const __m256i scales16 = _mm256_cvtepi8_epi16(scales);
+      __m256i sumi[MR];
+      for (int m = 0; m < MR; ++m)
+        sumi[m] = _mm256_sub_epi32(
+            _mm256_setzero_si256(),
+            _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)x[m][i].bsums), scales16), 5));
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t* ql = block + 64 * j;
+        const __m256i bits1 = _mm256_loadu_si256((const __m256i*)ql);
+        const __m256i bits2 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+        const __m256i high = _mm256_loadu_si256((const __m256i*)(block + 128 + 32 * j));
+        __m256i q[4];
+        q[0] = _mm256_or_si256(_mm256_and_si256(bits1, m15), _mm256_slli_epi16(_mm256_and_si256(high, m3), 4));
+        q[1] = _mm256_or_si256(_mm256_and_si256(bits2, m15),
+                               _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(12)), 2));
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15),
+                               _mm256_and_si256(high, _mm256_set1_epi8(48)));
+        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15),
+                               _mm256_srli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(char(0xC0))), 2));
+        __m256i sc[4];
+        for (int k = 0; k < 4; ++k) {
+          const int s = 8 * j + 2 * k;  // sub-blocks s (weights 0-15 of the 32) and s + 1
+          sc[k] = _mm256_cvtepi8_epi16(
+              _mm_shuffle_epi8(scales, _mm_set_epi64x(0x0101010101010101LL * (s + 1), 0x0101010101010101LL * s)));
+        }
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* q8 = x[m][i].qs + 128 * j;
+          __m256i s = sumi[m];
+          for (int k = 0; k < 4; ++k)
+            s = _mm256_add_epi32(
+                s, _mm256_madd_epi16(sc[k], _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(q8 + 32 * k)))));
+          sumi[m] = s;
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m][i].d * d), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]);
+  }
+};
+
+// IQ4_XS: 256 weights in eight sub-blocks of 32, w = d * (ls_j - 32) * kvalues[nibble], ls_j 6 bits (4 low bits in
+// scales_l, 2 high in scales_h): acc += (d_x d) * sum_j (ls_j - 32) sum(kvalues[q] x_q).
+struct IQ4_XS {
+  using Act = ActQ8_K;
+  static constexpr int64_t kBytes = 136;  // f16 d, uint16 scales_h, 4 bytes scales_l, 128 qs
+  template <int MR>
+  static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
+    const __m128i values128 = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    const __m256i values = _mm256_broadcastsi128_si256(values128);
+    __m256 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* block = w + i * kBytes;
+      const float d = half(block);
+      uint16_t scales_h;
+      std::memcpy(&scales_h, block + 2, 2);
+      const uint8_t* scales_l = block + 4;
+      const uint8_t* qs = block + 8;
+      __m256i sumi[MR];
+      for (int m = 0; m < MR; ++m) sumi[m] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const int ls = ((scales_l[j / 2] >> (4 * (j % 2))) & 0xF) | (((scales_h >> (2 * j)) & 3) << 4);
+        const __m256i scale = _mm256_set1_epi16(short(ls - 32));
+        const __m256i q = _mm256_shuffle_epi8(values, nibbles32(qs + 16 * j));
+        const __m256i q_abs = _mm256_sign_epi8(q, q);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i y = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)(x[m][i].qs + 32 * j)), q);
+          sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q_abs, y), scale));
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(x[m][i].d * d), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]);
+  }
+};
+
+#endif  // GDNSPEC_BLOCKS
+
+// llama.cpp's quantize_row_q8_K (its reference, which its x86 build uses): per 256, the element of largest magnitude
+// maps to -127 (d = max / -127, the sign kept), q = nearest(x / d) capped at 127 (round half to even, as llama.cpp's
+// nearest_int), and the sums of each 16 quants.
+inline void quantize_row_q8_K(const float* x, int64_t K, ActQ8_K* y) {
+  for (int64_t i = 0; i < K / 256; ++i, x += 256) {
+    float max = 0.f, amax = 0.f;
+    for (int j = 0; j < 256; ++j) {
+      const float ax = std::fabs(x[j]);
+      if (ax > amax) amax = ax, max = x[j];
+    }
+    if (amax == 0.f) {
+      y[i].d = 0.f;
+      std::memset(y[i].qs, 0, sizeof y[i].qs);
+      std::memset(y[i].bsums, 0, sizeof y[i].bsums);
+      continue;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < 256; ++j) {
+      const float shifted = iscale * x[j] + 12582912.f;  // nearest_int: the integer in the mantissa
+      int32_t bits;
+      std::memcpy(&bits, &shifted, 4);
+      const int v = (bits & 0x007fffff) - 0x00400000;
+      y[i].qs[j] = int8_t(v < 127 ? v : 127);
+    }
+    for (int j = 0; j < 16; ++j) {
+      int sum = 0;
+      for (int k = 0; k < 16; ++k) sum += y[i].qs[16 * j + k];
+      y[i].bsums[j] = int16_t(sum);
+    }
+    y[i].d = 1.f / iscale;
+  }
+}
+
+}  // namespace gdnspec::blocks

@@ -1,0 +1,95 @@
+"""The block product (`cpu_matmul.block_rows_matmul`): weights kept as their file's ggml blocks (Q4_0, Q5_0, Q8_0,
+Q4_K, Q5_K, Q6_K, IQ4_XS) times x quantized as llama.cpp quantizes it for the type, against the plain reference
+(the weight dequantized as gguf does, x quantized and back, one float32 product), row by row alike whatever the
+batch, with its prologues, and its refusals."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from jaxmodel.kernels import cpu_matmul
+from jaxmodel.quant_blocks import random_blocks
+
+needs_kernel = pytest.mark.skipif(not cpu_matmul.block_kernels(), reason="the block products need AVX2 and g++")
+TYPES = [QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS]
+EPS = 1e-6
+
+
+def _x(M: int, K: int, seed: int = 1) -> jax.Array:
+    x = np.random.default_rng(seed).standard_normal((M, K)).astype(np.float32)
+    x[0, :256] = 0.0  # a block of zeros quantizes to d = 0
+    return jnp.asarray(x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_block_product_matches_its_reference_for_every_batch(qtype):
+    # 44 outputs: chunks of whole groups of eight and a tail; five rows: a pass of four and one of one.
+    w = jnp.asarray(random_blocks(np.random.default_rng(0), qtype, (44, 512)))
+    x = _x(5, 512)
+    live = jnp.asarray([1, 1, 0, 1, 1], jnp.int32)
+    got = np.asarray(jax.jit(cpu_matmul.block_rows_matmul, static_argnums=2)(x, w, int(qtype), live))
+    want = np.asarray(cpu_matmul.block_rows_matmul_reference(x, w, int(qtype), live))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert np.all(got[2] == 0)
+    for m in (0, 1, 3, 4):  # a row's sums are the same bits alone as beside other rows
+        alone = np.asarray(cpu_matmul.block_rows_matmul(x[m : m + 1], w, int(qtype)))
+        np.testing.assert_array_equal(alone[0], got[m])
+
+
+@needs_kernel
+def test_block_product_against_gguf_dequantize_on_quantized_normals():
+    # A Q8_0 weight as gguf's quantizer writes it: the product is the dequantized weight's, to float32 rounding.
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((24, 256)).astype(np.float32) / 16
+    blocks = quants.quantize(weight, QT.Q8_0)
+    x = jnp.asarray(rng.standard_normal((2, 256)).astype(np.float32))
+    got = np.asarray(cpu_matmul.block_rows_matmul(x, jnp.asarray(blocks), int(QT.Q8_0)))
+    q, d = cpu_matmul.quantize_rows_q8_0(x)
+    xq = np.asarray(q, np.float64).reshape(2, 8, 32) * np.asarray(d, np.float64)[..., None]
+    want = xq.reshape(2, 256) @ quants.dequantize(blocks, QT.Q8_0).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("prologue", ["rms_norm", "swiglu", "gated_rms_norm"])
+def test_block_product_prologues(prologue):
+    qtype, K, G = QT.Q4_K, 256, 64
+    w = jnp.asarray(random_blocks(np.random.default_rng(0), qtype, (16, K)))
+    rng = np.random.default_rng(2)
+    f32 = lambda *s: jnp.asarray(rng.standard_normal(s) * 2, jnp.float32)  # noqa: E731
+    x = f32(3, 2 * K) if prologue == "swiglu" else f32(3, K)
+    weight = None if prologue == "swiglu" else f32(G if prologue == "gated_rms_norm" else K)
+    gate = f32(3, K) if prologue == "gated_rms_norm" else None
+    got = np.asarray(cpu_matmul.block_rows_matmul_prologue(prologue, x, w, int(qtype), None, weight, gate, EPS))
+    value = cpu_matmul.prologue_reference(prologue, x, weight, gate, EPS)
+    want = np.asarray(cpu_matmul.block_rows_matmul_reference(value, w, int(qtype)))
+    # The prologue's last bits may differ from jnp's, which can move a quantized value by one step.
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@needs_kernel
+def test_block_product_refuses_bad_operands():
+    w = jnp.asarray(random_blocks(np.random.default_rng(0), QT.Q4_K, (8, 256)))
+    x = jnp.ones((1, 256), jnp.float32)
+    with pytest.raises(ValueError, match="no product for ggml type"):
+        cpu_matmul.block_rows_matmul(x, w, int(QT.Q2_K))
+    with pytest.raises(ValueError, match=r"uint8 blocks \[N, 144\]"):
+        cpu_matmul.block_rows_matmul(x, w[:, :100], int(QT.Q4_K))
+    with pytest.raises(ValueError, match="Q4_K"):
+        cpu_matmul.block_rows_matmul(jnp.ones((1, 200), jnp.float32), w, int(QT.Q4_K))
+
+
+def test_q8_K_activations_as_llama_cpp():
+    # The element of largest magnitude maps to -127 (its sign kept), halves round to even, a zero block stays zero.
+    x = np.zeros((1, 512), np.float32)
+    x[0, :4] = [-2.0, 1.0, 0.5 * (-2.0 / -127.0) * 3, 2.0]  # the first of two equal magnitudes is the peak
+    got = np.asarray(cpu_matmul.quantize_rows_q8_K(jnp.asarray(x)))
+    d = -2.0 / -127.0
+    np.testing.assert_allclose(got[0, :4], np.float32([-127, 64, 2, 127]) * np.float32(d), rtol=1e-6)
+    assert np.all(got[0, 256:] == 0)
