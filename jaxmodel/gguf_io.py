@@ -14,19 +14,25 @@ from gguf import quants
 from .config import ModelConfig, ModelFormatError, from_gguf
 from .gguf_layout import open_gguf
 from .tokenizer import CONTROL, NORMAL, UNUSED, GGUFVocab, byte_decoder, write_vocab
-from .weights import Attention, DenseFfn, GatedDeltaNet, Layer, MoeFfn, Mtp, Q8Rows, Weights
+from .quant_blocks import row_bytes
+from .weights import Attention, BlockRows, DenseFfn, GatedDeltaNet, Layer, MoeFfn, Mtp, Q8Rows, Weights
 
-SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+SUPPORTED_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+                   QT.IQ4_NL, QT.IQ4_XS)
 
 
 class _Tensors:
-    """Name -> float32 numpy array (or `Q8Rows`), with type and shape checks that name the file and tensor."""
+    """Name -> float32 numpy array (or `Q8Rows`, or `BlockRows`), with type and shape checks that name the file and
+    tensor."""
 
-    def __init__(self, reader: gguf.GGUFReader, path: str, keep_f16: bool, keep_q8_0: bool = False):
+    def __init__(self, reader: gguf.GGUFReader, path: str, keep_f16: bool, keep_q8_0: bool = False,
+                 keep_blocks: frozenset = frozenset()):
         self.path = path
         self.keep_f16 = keep_f16
         self.keep_q8_0 = keep_q8_0
+        self.keep_blocks = keep_blocks
         self.by_name = {t.name: t for t in reader.tensors}
+        self.file_size = os.path.getsize(path)
 
     def has(self, name: str) -> bool:
         return name in self.by_name
@@ -54,12 +60,43 @@ class _Tensors:
     def maybe(self, name: str, *shapes: tuple[int, ...]) -> np.ndarray | None:
         return self.get(name, *shapes) if self.has(name) else None
 
-    def matmul(self, name: str, shape: tuple[int, ...], quantized: bool = True) -> np.ndarray | Q8Rows:
+    def matmul(self, name: str, shape: tuple[int, ...], quantized: bool = True) -> np.ndarray | Q8Rows | BlockRows:
         """A matmul weight stored [..., n_out, n_in], returned in the pytree's [..., n_in, n_out] layout; with
-        keep_q8_0, a 2-D Q8_0 one as the file's blocks (`Q8Rows`) unless quantized is False."""
+        keep_q8_0, a 2-D Q8_0 one as the file's blocks (`Q8Rows`), and one of a type in keep_blocks as the file's
+        bytes (`BlockRows`), unless quantized is False."""
         if quantized and self.keeps_blocks(name, shape):
             return self._q8_rows(name, shape)
+        if quantized and self._kept_as_bytes(name):
+            return self._block_rows(name, shape)
         return np.ascontiguousarray(np.swapaxes(self.get(name, shape), -1, -2))
+
+    def table(self, name: str, shape: tuple[int, int]) -> np.ndarray | BlockRows:
+        """An embedding table [V, E]: float32, or `BlockRows` (V rows of E) for a type in keep_blocks."""
+        return self._block_rows(name, shape) if self._kept_as_bytes(name) else self.get(name, shape)
+
+    def _kept_as_bytes(self, name: str) -> bool:
+        t = self.by_name.get(name)
+        return t is not None and t.tensor_type in self.keep_blocks
+
+    def _block_rows(self, name: str, shape: tuple[int, ...]) -> BlockRows:
+        """The tensor's bytes as `BlockRows`, read from the file (not through the reader's mapping, whose pages
+        would stay resident beside the copy)."""
+        t = self.by_name[name]
+        where = f"{self.path}: tensor '{name}' ({t.tensor_type.name})"
+        stored = tuple(int(n) for n in reversed(t.shape))
+        if stored != tuple(shape):
+            raise ModelFormatError(f"{where} has shape {stored}, expected {tuple(shape)}")
+        try:
+            per_row = row_bytes(t.tensor_type, shape[-1])
+        except ValueError:
+            raise ModelFormatError(f"{where}: rows of {shape[-1]} weights are not a whole number of "
+                                   f"{gguf.GGML_QUANT_SIZES[t.tensor_type][0]}-weight blocks") from None
+        n_bytes = per_row * int(np.prod(shape[:-1]))
+        if int(t.data_offset) + n_bytes > self.file_size:
+            raise ModelFormatError(f"{where}: its {n_bytes} bytes at offset {int(t.data_offset)} run past the end "
+                                   f"of the file ({self.file_size} bytes): the file is truncated")
+        data = np.fromfile(self.path, dtype=np.uint8, count=n_bytes, offset=int(t.data_offset))
+        return BlockRows(data.reshape(*shape[:-1], per_row), int(t.tensor_type), int(shape[-1]))
 
     def keeps_blocks(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether `matmul` returns the tensor as the file's Q8_0 blocks (`Q8Rows`)."""
@@ -89,7 +126,7 @@ def q8_rows_from_blocks(data: np.ndarray) -> Q8Rows:
 
 def _split_outputs(w: np.ndarray | Q8Rows, sections: list[int]) -> list[np.ndarray | Q8Rows]:
     """w [n_in, n_out] split at the given output indices."""
-    if isinstance(w, Q8Rows):
+    if isinstance(w, (Q8Rows, BlockRows)):
         bounds = [0, *sections, w.shape[1]]
         return [w.outputs(slice(a, b)) for a, b in zip(bounds, bounds[1:])]
     return np.split(w, sections, axis=1)
@@ -188,7 +225,7 @@ def _ffn(ts: _Tensors, p: str, cfg: ModelConfig) -> DenseFfn | MoeFfn:
         )
     X, Fe, Fs = cfg.n_expert, cfg.n_ff_expert, cfg.n_ff_shared
     if ts.has(p + "ffn_gate_up_exps.weight"):
-        gate, up = np.split(ts.matmul(p + "ffn_gate_up_exps.weight", (X, 2 * Fe, E)), 2, axis=2)
+        gate, up = _split_outputs(ts.matmul(p + "ffn_gate_up_exps.weight", (X, 2 * Fe, E)), [Fe])
     else:
         gate = ts.matmul(p + "ffn_gate_exps.weight", (X, Fe, E))
         up = ts.matmul(p + "ffn_up_exps.weight", (X, Fe, E))
@@ -216,24 +253,31 @@ def _layer(ts: _Tensors, index: int, cfg: ModelConfig, recurrent: bool) -> Layer
 
 
 def read_gguf(
-    path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False, keep_q8_0: bool = False
+    path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False, keep_q8_0: bool = False,
+    keep_blocks=(), finish_layer=None,
 ) -> tuple[ModelConfig, Weights, gguf.GGUFReader]:
     """Read config and numpy weights (float32, or f16 for F16 tensors with keep_f16, or `Q8Rows` for 2-D Q8_0
-    matmul weights with keep_q8_0); every defect raises ModelFormatError naming the file and the tensor."""
+    matmul weights with keep_q8_0, or `BlockRows` for matmul weights, expert stacks and embedding tables of the
+    ggml types in keep_blocks); every defect raises ModelFormatError naming the file and the tensor. finish_layer
+    (optional): applied to each `Layer` as soon as it is read (the loader fuses and places it, so that the numpy
+    copies of one layer at a time exist beside the final weights)."""
     path = str(path)
     reader = open_gguf(path)
     cfg = from_gguf(reader, path)
-    ts = _Tensors(reader, path, keep_f16, keep_q8_0)
+    ts = _Tensors(reader, path, keep_f16, keep_q8_0, frozenset(keep_blocks))
     V, E = cfg.n_vocab, cfg.n_embd
-    embed = ts.get("token_embd.weight", (V, E))
+    embed = ts.table("token_embd.weight", (V, E))
     output_norm = ts.get("output_norm.weight", (E,))
     if ts.has("output.weight"):
         output = ts.matmul("output.weight", (V, E))
     elif ts.keeps_blocks("token_embd.weight", (V, E)):
         output = ts.matmul("token_embd.weight", (V, E))  # a tied head multiplies the embedding's blocks
+    elif isinstance(embed, BlockRows):
+        output = embed  # the same bytes: rows of the table, outputs of the head
     else:
         output = np.ascontiguousarray(embed.T)
-    layers = tuple(_layer(ts, i, cfg, cfg.recurrent[i]) for i in range(cfg.n_layer))
+    finish = finish_layer or (lambda layer: layer)
+    layers = tuple(finish(_layer(ts, i, cfg, cfg.recurrent[i])) for i in range(cfg.n_layer))
     mtp = None
     if cfg.n_mtp and load_mtp:
         p = f"blk.{cfg.n_layer}.nextn."
@@ -242,9 +286,9 @@ def read_gguf(
             enorm=ts.get(p + "enorm.weight", (E,)),
             hnorm=ts.get(p + "hnorm.weight", (E,)),
             head_norm=_or(ts.maybe(p + "shared_head_norm.weight", (E,)), output_norm),
-            embed=_or(ts.maybe(p + "embed_tokens.weight", (V, E)), embed),
+            embed=ts.table(p + "embed_tokens.weight", (V, E)) if ts.has(p + "embed_tokens.weight") else embed,
             head=ts.matmul(p + "shared_head_head.weight", (V, E)) if ts.has(p + "shared_head_head.weight") else output,
-            layer=_layer(ts, cfg.n_layer, cfg, recurrent=False),
+            layer=finish(_layer(ts, cfg.n_layer, cfg, recurrent=False)),
         )
     elif not load_mtp:
         cfg = cfg.replace(n_mtp=0)

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from .attention import attend
 from .config import ModelConfig
 from .kernels import cpu_matmul
-from .kernels.cpu_matmul import prologue_reference, q8_rows_matmul, q8_rows_matmul_prologue, rows_matmul
-from .weights import Attention, DenseFfn, Fused, MatmulWeight, Q8Rows, Transposed
+from .kernels.cpu_matmul import (block_rows_matmul, block_rows_matmul_prologue, prologue_reference, q8_rows_matmul,
+                                 q8_rows_matmul_prologue, rows_matmul)
+from .weights import Attention, BlockRows, DenseFfn, Fused, MatmulWeight, Q8Rows, Transposed
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,11 @@ def eigen_dot(x: jax.Array, w: jax.Array, precision: jax.lax.Precision) -> jax.A
                                preferred_element_type=jnp.float32)
 
 
+def _multiplies_blocks(w: BlockRows) -> bool:
+    """Whether the CPU block product takes w as it is (else `linear` multiplies its dequantized values)."""
+    return w.blocks.ndim == 2 and w.qtype in cpu_matmul.BLOCK_TYPES and cpu_matmul.block_kernels()
+
+
 def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = None,
            live: jax.Array | None = None) -> jax.Array:
     """x [..., n_in] @ w [n_in, n_out] -> [..., n_out], float32.
@@ -100,6 +106,10 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     live [...] (bool, x's leading shape; optional): which rows are real. The CPU kernels (Q8_0 and transposed
     weights below) skip the others, padding of a step's shape bucket, and return 0 (plus the bias) for them; other
     forms compute every row. A row's result never depends on whether the other rows are live.
+
+    w kept as its file's blocks (`BlockRows`: K-quants, Q4_0, Q5_0, IQ4_XS): the block product on CPU
+    (`cpu_matmul.block_rows_matmul`), x quantized as llama.cpp quantizes it for the type; elsewhere, or for a type
+    the kernels lack, the weight dequantized inside the step (`quant_blocks.dequantize`) and multiplied as float32.
 
     w kept as Q8_0 blocks (`Q8Rows`, what `load_model` does on CPU for a Q8_0 file when the kernels build): the
     Q8_0 product for every M (`cpu_matmul.q8_rows_matmul`), llama.cpp's CPU arithmetic, x's rows quantized to Q8_0;
@@ -129,11 +139,17 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     lead = x.shape[:-1]
     m = math.prod(lead)
     live_rows = None if live is None else jnp.broadcast_to(live, lead).reshape(m)
+    if isinstance(w, BlockRows) and not _multiplies_blocks(w):
+        w = w.dequantized()
     if isinstance(x, Prologued):
+        gate = None if x.gate is None else x.gate.reshape(m, -1)
         if isinstance(w, Q8Rows) and cpu_matmul.TARGET_Q8_PROLOGUE is not None:
-            gate = None if x.gate is None else x.gate.reshape(m, -1)
             y = q8_rows_matmul_prologue(x.prologue, x.x.reshape(m, -1), w.quants, w.scales, live_rows, x.weight,
                                         gate, x.eps).reshape(*lead, w.shape[1])
+            return y if bias is None else y + bias
+        if isinstance(w, BlockRows):
+            y = block_rows_matmul_prologue(x.prologue, x.x.reshape(m, -1), w.blocks, w.qtype, live_rows, x.weight,
+                                           gate, x.eps).reshape(*lead, w.shape[1])
             return y if bias is None else y + bias
         x = x.value()
     x = as_matmul_input(x, w)
@@ -141,12 +157,16 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     n_in, n_out = w.shape[0], w.shape[1]
     if isinstance(w, Q8Rows):
         form = "q8_0"
+    elif isinstance(w, BlockRows):
+        form = "blocks"
     elif isinstance(w, Transposed):
         form = "transposed"
     else:
         form = small_row_form(m, w)
     if form == "q8_0":
         y = q8_rows_matmul(x.reshape(m, n_in), w.quants, w.scales, live_rows).reshape(*lead, n_out)
+    elif form == "blocks":
+        y = block_rows_matmul(x.reshape(m, n_in), w.blocks, w.qtype, live_rows).reshape(*lead, n_out)
     elif form == "transposed":
         y = rows_matmul(x.reshape(m, n_in), w.t, live_rows).reshape(*lead, n_out)
     elif form == "dot":

@@ -13,10 +13,12 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 
 from .config import ModelConfig
 from .gdn import gdn_mixer, gdn_rebuild
 from .gguf_io import read_gguf, to_device
+from .gguf_layout import open_gguf
 from .host_memory import THREAD_HEAP_BYTES, release_freed_memory, retain_freed_memory
 from .layers import linear, paged_attention, rms_norm, rms_normed, write_kv
 from .moe import ffn
@@ -25,7 +27,7 @@ from .precision import cast_matmul_weights, default_weight_dtype, transpose_matm
 from .state import (
     ModelState, Row, StepBatch, StepOutput, bucket, bytes_per_plane, init_state, pack_batch, scatter_planes,
 )  # fmt: skip
-from .weights import Layer, Mtp, Weights, first_columns, fuse_projections, pytree
+from .weights import Layer, Mtp, Weights, embedding_rows, first_columns, fuse_layer, fuse_projections, pytree
 
 
 @pytree
@@ -57,7 +59,7 @@ def forward(
     """
     T = batch.tokens.shape[1]
     valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]  # [B, T]
-    x = weights.embed[batch.tokens].astype(jnp.float32)  # [B, T, E]
+    x = embedding_rows(weights.embed, batch.tokens)  # [B, T, E]
     k_pages, v_pages = list(state.k_pages), list(state.v_pages)
     conv, ssm, replay = list(state.conv), list(state.ssm), list(state.replay)
     recording = record is not None and bool(replay)
@@ -146,7 +148,7 @@ def _mtp_inputs(mtp: Mtp, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Arr
     """The MTP block's valid tokens [B, T], its residual input u [B, T, E] and the attention's normed input."""
     T = batch.tokens.shape[1]
     valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]
-    e = rms_norm(mtp.embed[batch.tokens].astype(jnp.float32), mtp.enorm, cfg.norm_eps)
+    e = rms_norm(embedding_rows(mtp.embed, batch.tokens), mtp.enorm, cfg.norm_eps)
     hh = rms_norm(hidden_in, mtp.hnorm, cfg.norm_eps)
     u = linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj, live=valid)
     return valid, u, rms_normed(u, mtp.layer.attn_norm, cfg.norm_eps)
@@ -220,24 +222,37 @@ class Model:
         return np.asarray(out.logits[0, :T]), np.asarray(out.hidden[0, :T])
 
 
+# The ggml types `load_model` keeps as the file's bytes on CPU (`weights.BlockRows`) for the block product; Q8_0
+# matmul weights keep their own interleaved form (`weights.Q8Rows`).
+BLOCK_KEPT = frozenset({QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS})
+
+
 def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False,
                weight_dtype: str | None = None, cpu_kernel: bool = True, fuse: bool = True) -> Model:
-    """Load a qwen35 / qwen35moe / qwen3next GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, dequantised to
-    float32, except Q8_0 matmul weights on CPU: see cpu_kernel).
+    """Load a qwen35 / qwen35moe / qwen3next GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
+    IQ4_NL, IQ4_XS; dequantised to float32, except on CPU: see cpu_kernel).
 
     keep_f16: keep F16 tensors in f16; their matmuls then round activations to f16 as llama.cpp does on CPU
     (exact F16 parity; slower on CPU, see docs/design.md). weight_dtype: "float32" or "bfloat16" for the matmul
     weights (`jaxmodel.precision`); None: the default backend's choice (bfloat16 on GPU, float32 on CPU).
     cpu_kernel: on CPU, where the kernels build (`jaxmodel.kernels.cpu_matmul`), keep Q8_0 matmul weights as the
-    file's blocks for the Q8_0 product (`weights.Q8Rows`; with float32 weights) and store the large float32 ones
+    file's blocks for the Q8_0 product (`weights.Q8Rows`; with float32 weights), the matmul weights, expert stacks
+    and embedding tables of the types in BLOCK_KEPT as the file's bytes for the block product (`weights.BlockRows`)
+    and store the large float32 ones
     for the few-row kernel (`precision.transpose_matmul_weights`); False dequantizes everything to float32 and
     keeps XLA's products (benchmarks compare both). fuse: store the products that share an input as one where
     their forms match (`weights.fuse_projections`; through the CPU kernels results are unchanged).
     """
     weight_dtype = weight_dtype or default_weight_dtype()
     use_kernels = cpu_kernel and cpu_matmul.available()
+    keep_blocks = BLOCK_KEPT if use_kernels and cpu_matmul.block_kernels() and weight_dtype == "float32" else ()
+    # A file of block-quantized weights: each layer is fused and placed on the device as it is read, so the load's
+    # peak stays within a layer of the weights' own bytes (float files keep the order of the steps below).
+    blocks_file = bool(keep_blocks) and any(t.tensor_type in keep_blocks for t in open_gguf(str(path)).tensors)
+    finish_layer = (lambda layer: to_device(fuse_layer(layer) if fuse else layer)) if blocks_file else None
     cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16,
-                                keep_q8_0=use_kernels and weight_dtype == "float32")
+                                keep_q8_0=use_kernels and weight_dtype == "float32", keep_blocks=keep_blocks,
+                                finish_layer=finish_layer)
     # A verify step's temporaries hold about one GDN plane per fed token; where 4 tokens' outgrow a thread's heap,
     # only the main arena keeps them for the next step (jaxmodel.host_memory).
     retain_freed_memory(single_arena=4 * bytes_per_plane(cfg) > THREAD_HEAP_BYTES)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from .config import ModelConfig
 from .layers import Prologued, as_array, as_matmul_input, dense_ffn, linear, matmul_precision, project
-from .weights import DenseFfn, MoeFfn
+from .weights import BlockRows, DenseFfn, MoeFfn
 
 GATHER_MAX_TOKENS = 4  # steps with at most this many tokens read each pair's expert on its own
 MAX_GROUP_TILE = 8  # most rows per tile of the grouped matmul; each expert's rows are padded to whole tiles
@@ -44,11 +44,12 @@ def moe_ffn_dense(w: MoeFfn, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """The reference: every expert on every token, unselected experts weighted 0. x [..., E] -> [..., E]."""
     top_i, top_w = route(w, cfg, x)
     weights = jnp.sum(jax.nn.one_hot(top_i, cfg.n_expert, dtype=x.dtype) * top_w[..., None], axis=-2)  # [..., X]
-    xg, xu = as_matmul_input(x, w.gate), as_matmul_input(x, w.up)
-    hidden = (jax.nn.silu(jnp.einsum("...e,xef->...xf", xg, w.gate, precision=matmul_precision(w.gate)))
-              * jnp.einsum("...e,xef->...xf", xu, w.up, precision=matmul_precision(w.up)))
-    per_expert = jnp.einsum("...xf,xfe->...xe", as_matmul_input(hidden, w.down), w.down,
-                            precision=matmul_precision(w.down))
+    w_gate, w_up, w_down = (e.dequantized() if isinstance(e, BlockRows) else e for e in (w.gate, w.up, w.down))
+    xg, xu = as_matmul_input(x, w_gate), as_matmul_input(x, w_up)
+    hidden = (jax.nn.silu(jnp.einsum("...e,xef->...xf", xg, w_gate, precision=matmul_precision(w_gate)))
+              * jnp.einsum("...e,xef->...xf", xu, w_up, precision=matmul_precision(w_up)))
+    per_expert = jnp.einsum("...xf,xfe->...xe", as_matmul_input(hidden, w_down), w_down,
+                            precision=matmul_precision(w_down))
     routed = jnp.einsum("...xe,...x->...e", per_expert, weights)
     return routed + shared_expert(w, x)
 

@@ -92,7 +92,7 @@ def transpose_matmul_weights(weights: Weights) -> Weights:
     embed = weights.embed
 
     def transpose(x):
-        if x.shape == embed.shape[::-1] and np.array_equal(x.T, embed):
+        if isinstance(embed, np.ndarray) and x.shape == embed.shape[::-1] and np.array_equal(x.T, embed):
             return Transposed(embed)
         return Transposed(np.ascontiguousarray(np.asarray(x).T))
 

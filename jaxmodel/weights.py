@@ -1,7 +1,8 @@
 """The weights pytree. Matmul weights are [n_in, n_out], y = x @ W: the transpose of GGUF's numpy order (docs/model.md §0),
 which the loader and writer swap, because XLA's CPU matrix-vector product streams this layout about twice as fast.
-On CPU `load_model` keeps Q8_0 ones as the file's blocks (`Q8Rows`) and stores large float32 ones back in GGUF's
-order (`Transposed`), for the CPU kernels (`jaxmodel.kernels.cpu_matmul`)."""
+On CPU `load_model` keeps Q8_0 ones as the file's blocks (`Q8Rows`), the other block-quantized ones (K-quants, Q4_0,
+Q5_0, IQ4_XS) as the file's bytes (`BlockRows`, also embedding tables and MoE expert stacks) and stores large
+float32 ones back in GGUF's order (`Transposed`), for the CPU kernels (`jaxmodel.kernels.cpu_matmul`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from dataclasses import dataclass, fields
 from typing import Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from . import quant_blocks
 from .kernels.cpu_matmul import Q8_ROW_GROUP, file_order_q8_rows, interleave_q8_rows
 
 
@@ -79,7 +82,48 @@ class Q8Rows:
         return Q8Rows.from_file_order(quants[index], scales[index])
 
 
-MatmulWeight = Union[jax.Array, Transposed, Q8Rows]
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["qtype", "n_in"])
+@dataclass(frozen=True)
+class BlockRows:
+    """A matmul weight [..., n_in, n_out] (or an embedding table [V, E]: n_out = V rows of n_in = E) kept as its
+    file's ggml blocks, one row of bytes per output (GGUF's order), for the CPU block product
+    (`cpu_matmul.block_rows_matmul`) or, elsewhere, dequantized inside the step (`quant_blocks.dequantize`). Leading
+    dimensions are MoE experts. shape and dtype are those of the dequantized [..., n_in, n_out] float32 weight."""
+
+    blocks: jax.Array  # [..., n_out, row_bytes] uint8
+    qtype: int  # ggml type (gguf.GGMLQuantizationType)
+    n_in: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.blocks.shape[:-2], self.n_in, self.blocks.shape[-2])
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+    def __getitem__(self, expert) -> "BlockRows":
+        """One expert's weight (a leading index)."""
+        return BlockRows(self.blocks[expert], self.qtype, self.n_in)
+
+    def outputs(self, index) -> "BlockRows":
+        """The weight restricted to the outputs `index` selects (a slice or an index array)."""
+        return BlockRows(self.blocks[..., index, :], self.qtype, self.n_in)
+
+    def rows(self, index: jax.Array) -> jax.Array:
+        """Rows `index` [...] dequantized, [..., n_in] float32: an embedding table's lookup."""
+        return quant_blocks.dequantize_rows(self.blocks, self.qtype, index)
+
+    def dequantized(self) -> jax.Array:
+        """The float32 weight [..., n_in, n_out]."""
+        return jnp.swapaxes(quant_blocks.dequantize(self.blocks, self.qtype), -1, -2)
+
+
+MatmulWeight = Union[jax.Array, Transposed, Q8Rows, BlockRows]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["sizes"])
@@ -108,6 +152,8 @@ def _form(w) -> tuple | None:
     """What weights must share to be stored as one: their kind, dtype and inputs (None: never fused)."""
     if isinstance(w, Q8Rows):
         return ("q8_0", w.quants.shape[1])
+    if isinstance(w, BlockRows):
+        return ("blocks", w.qtype, w.n_in) if w.blocks.ndim == 2 else None
     if isinstance(w, Transposed):
         return ("transposed", w.t.dtype, w.t.shape[1])
     if isinstance(w, (np.ndarray, jax.Array)) and w.ndim == 2:
@@ -122,6 +168,8 @@ def fuse(ws: Sequence[MatmulWeight]) -> Fused:
         parts = [x.file_order() for x in ws]
         w = Q8Rows.from_file_order(np.concatenate([np.asarray(q) for q, _ in parts]),
                                    np.concatenate([np.asarray(s) for _, s in parts]))
+    elif isinstance(first, BlockRows):
+        w = BlockRows(np.concatenate([np.asarray(x.blocks) for x in ws]), first.qtype, first.n_in)
     elif isinstance(first, Transposed):
         w = Transposed(np.concatenate([np.asarray(x.t) for x in ws]))
     else:
@@ -150,9 +198,16 @@ def first_columns(w: MatmulWeight, n: int | None) -> MatmulWeight:
     """w [n_in, n_out] restricted to its first n outputs ([n_in, n]); all of them when n is None."""
     if n is None:
         return w
-    if isinstance(w, Q8Rows):
+    if isinstance(w, (Q8Rows, BlockRows)):
         return w.outputs(slice(None, n))
     return Transposed(w.t[:n]) if isinstance(w, Transposed) else w[:, :n]
+
+
+def embedding_rows(table: jax.Array | BlockRows, tokens: jax.Array) -> jax.Array:
+    """table [V, E] (an array or `BlockRows`) looked up at tokens [...] -> [..., E] float32."""
+    if isinstance(table, BlockRows):
+        return table.rows(tokens)
+    return table[tokens].astype(jnp.float32)
 
 
 @pytree
@@ -231,20 +286,21 @@ class Weights:
     mtp: Mtp | None = None
 
 
+def fuse_layer(l: Layer) -> Layer:
+    """One layer's products that share an input stored as one where their forms allow (`fuse_projections`)."""
+    if isinstance(l.mixer, GatedDeltaNet):
+        mixer = fuse_fields(l.mixer, ("qkv", "gate", "beta", "alpha"))
+    else:
+        mixer = fuse_fields(l.mixer, ("q", "k", "v"))
+    ffn = fuse_fields(l.ffn, ("gate", "up") if isinstance(l.ffn, DenseFfn) else ("shared_gate", "shared_up"))
+    return dataclasses.replace(l, mixer=mixer, ffn=ffn)
+
+
 def fuse_projections(weights: Weights) -> Weights:
     """`weights` with the products that share an input stored as one where their forms allow (`fuse_fields`): a GDN
     mixer's q/k/v, z, beta and alpha projections, an attention's q, k and v, an FFN's gate and up (also the MoE
     shared expert's), in every layer and the MTP block's. For inference only (`layers.project` reads them; the
     GGUF writer and training take unfused weights). The old and new arrays coexist until the caller drops the old
-    tree (load time only)."""
-
-    def layer(l: Layer) -> Layer:
-        if isinstance(l.mixer, GatedDeltaNet):
-            mixer = fuse_fields(l.mixer, ("qkv", "gate", "beta", "alpha"))
-        else:
-            mixer = fuse_fields(l.mixer, ("q", "k", "v"))
-        ffn = fuse_fields(l.ffn, ("gate", "up") if isinstance(l.ffn, DenseFfn) else ("shared_gate", "shared_up"))
-        return dataclasses.replace(l, mixer=mixer, ffn=ffn)
-
-    mtp = weights.mtp and dataclasses.replace(weights.mtp, layer=layer(weights.mtp.layer))
-    return dataclasses.replace(weights, layers=tuple(layer(l) for l in weights.layers), mtp=mtp)
+    tree (load time only); layers fused already stay as they are."""
+    mtp = weights.mtp and dataclasses.replace(weights.mtp, layer=fuse_layer(weights.mtp.layer))
+    return dataclasses.replace(weights, layers=tuple(fuse_layer(l) for l in weights.layers), mtp=mtp)

@@ -79,9 +79,9 @@ def test_misshaped_tensor_is_named(tmp_path):
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    raw = np.zeros((128, 64 // 32 * 20), np.uint8)  # Q4_1: 32 values in 20 bytes
-    path = rewrite(TINY, tmp_path / "q41.gguf", tensors={"blk.0.ffn_up.weight": (raw, QT.Q4_1)})
-    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.ffn_up\.weight' has unsupported type Q4_1"):
+    raw = np.zeros((128, 64 // 32 * 17), np.uint8)  # MXFP4: 32 values in 17 bytes
+    path = rewrite(TINY, tmp_path / "mxfp4.gguf", tensors={"blk.0.ffn_up.weight": (raw, QT.MXFP4)})
+    with pytest.raises(ModelFormatError, match=r"tensor 'blk\.0\.ffn_up\.weight' has unsupported type MXFP4"):
         load_model(path)
 
 
@@ -189,7 +189,8 @@ def _random_kquant_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
 @pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K, QT.Q5_K, QT.Q6_K])
 def test_quantized_types_load_as_their_dequantized_values(tmp_path, qtype):
     """A k-quant (or Q4_0) tensor loads as gguf's dequantisation of its bytes, and the model built from the
-    quantised file gives the logits of an F32 file holding those dequantised values."""
+    quantised file gives the logits of an F32 file holding those dequantised values: the same bits with XLA's
+    products, and within the activations' 8-bit rounding through the CPU block product (which keeps the bytes)."""
     cfg = PRESETS["tiny"].replace(n_embd=256, n_ff=256, n_layer=2, recurrent=(True, False), n_mtp=0)
     weights = random_weights(cfg, seed=1)
     f32_path = tmp_path / "base.gguf"
@@ -205,9 +206,11 @@ def test_quantized_types_load_as_their_dequantized_values(tmp_path, qtype):
     np.testing.assert_array_equal(loaded.layers[0].ffn.up, expected.T)
     dequant_path = rewrite(f32_path, tmp_path / "dequant.gguf", tensors={"blk.0.ffn_up.weight": (expected, None)})
     tokens = [3, 17, 200, 5, 9]
-    a, _ = load_model(quant_path).score(tokens)
-    b, _ = load_model(dequant_path).score(tokens)
+    a, _ = load_model(quant_path, cpu_kernel=False).score(tokens)
+    b, _ = load_model(dequant_path, cpu_kernel=False).score(tokens)
     np.testing.assert_array_equal(a, b)
+    blocks, _ = load_model(quant_path).score(tokens)
+    np.testing.assert_allclose(blocks, b, rtol=0, atol=0.05 * np.abs(b).max())
 
 
 def test_model_from_random_preset_runs(tmp_path):
