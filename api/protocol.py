@@ -223,6 +223,8 @@ class Stats(Struct, frozen=True, tag="stats"):
     planes_total: Annotated[int, Meta(description="GDN state planes that can be handed out.")]
     steps: Annotated[int, Meta(description="Engine steps since start.")]
     rss_bytes: Annotated[int, Meta(description="The server process's resident memory.")]
+    weights_bytes: Annotated[int, Meta(description="The model weights' bytes in memory (the target's and the draft "
+                                                   "model's); the state pools' budget comes on top.")] = 0
 
 
 ServerMessage = Tokens | Done | Error | Stats

@@ -172,7 +172,7 @@ class Server:
         return Stats(connections=len(self.clients), requests_running=load.running, requests_waiting=load.waiting,
                      requests_in_flight=self.n_requests, pages_free=load.pages_free, pages_total=load.pages_total,
                      planes_free=load.planes_free, planes_total=load.planes_total, steps=self.engine.steps,
-                     rss_bytes=resident_bytes())  # fmt: skip
+                     rss_bytes=resident_bytes(), weights_bytes=self.engine.weights_bytes)  # fmt: skip
 
     @property
     def max_requests(self) -> int:
@@ -397,7 +397,8 @@ async def run_server(server: Server, host: str, port: int, *, ready=None, shutdo
                      process_request=server.check_handshake, compression="deflate" if compression else None,
                      close_timeout=CLOSE_TIMEOUT_S) as ws_server:
         bound = ws_server.sockets[0].getsockname()[1]
-        log.info("serving on ws://%s:%d", host, bound)
+        log.info("serving on ws://%s:%d; weights %.1f MiB in memory, state pools beyond them", host, bound,
+                 server.engine.weights_bytes / 2**20)
         if ready is not None:
             ready(bound)
         if shutdown is None:

@@ -176,6 +176,12 @@ class Model:
         self.mtp_step = jax.jit(functools.partial(mtp_forward, cfg=cfg), donate_argnames="state")
 
     @property
+    def weights_bytes(self) -> int:
+        """The bytes the weights hold on the device (a tied array counted once): the file's blocks where they stay
+        quantized, else their float copies."""
+        return sum({id(x): int(x.nbytes) for x in jax.tree_util.tree_leaves(self.weights)}.values())
+
+    @property
     def has_mtp(self) -> bool:
         return self.weights.mtp is not None
 

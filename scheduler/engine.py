@@ -183,6 +183,7 @@ class Engine:
             replay_token_bytes=replay_bytes_per_token(cfg),
         )
         self.model = model
+        self._draft_model = draft_model
         self.tokenizer = tokenizer
         drafters = standard_drafters(model, draft_model, max_seqs=max_running, max_context=max_model_len,
                                      n_max=n_max, page_size=page_size)  # fmt: skip
@@ -651,6 +652,11 @@ class Engine:
     @property
     def max_running(self) -> int:
         return self.scheduler.max_running
+
+    @property
+    def weights_bytes(self) -> int:
+        """The target's and the draft model's weights on the device (`Model.weights_bytes`); the budget is beyond."""
+        return self.model.weights_bytes + (self._draft_model.weights_bytes if self._draft_model else 0)
 
     def load(self) -> Load:
         memory, scheduler = self.memory, self.scheduler

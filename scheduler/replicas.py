@@ -62,6 +62,11 @@ class Replicas:
         return sum(engine.max_running for engine in self.engines)
 
     @property
+    def weights_bytes(self) -> int:
+        """The engines' weights, counted once (they share one model's arrays)."""
+        return self.engines[0].weights_bytes
+
+    @property
     def steps(self) -> int:
         return sum(engine.steps for engine in self.engines)
 

@@ -421,4 +421,5 @@ def test_chaotic_loadtest_leaves_the_pools_as_they_were(model, tokenizer):
     assert (final.pages_free, final.planes_free) == (final.pages_total, final.planes_total)
     assert final.requests_in_flight == final.requests_running == final.requests_waiting == 0
     assert final.connections == 1 and len(result.stats) >= 2 and final.rss_bytes > 0
+    assert final.weights_bytes == engine.weights_bytes > 0
     assert pools_back(engine)
