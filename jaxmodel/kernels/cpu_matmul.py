@@ -211,6 +211,17 @@ def q8_rows_matmul(x: jax.Array, quants: jax.Array, scales: jax.Array, live: jax
 PROLOGUES = {"rms_norm": 1, "swiglu": 2, "gated_rms_norm": 3}
 
 
+def _prologue_operands(prologue: str, weight: jax.Array | None, gate: jax.Array | None):
+    """(weight, gate) as the prologue kernels take them, float32, a placeholder for one the prologue has not; an
+    error where the prologue's operands are missing or extra."""
+    if (weight is None) != (prologue == "swiglu") or (gate is None) != (prologue != "gated_rms_norm"):
+        raise ValueError(f"{prologue!r} takes {'no weight' if prologue == 'swiglu' else 'a weight'} and "
+                         f"{'a gate' if prologue == 'gated_rms_norm' else 'no gate'}")
+    nothing = jnp.zeros((1,), jnp.float32)
+    return (nothing if weight is None else weight.astype(jnp.float32),
+            nothing if gate is None else gate.astype(jnp.float32))
+
+
 def q8_rows_matmul_prologue(prologue: str, x: jax.Array, quants: jax.Array, scales: jax.Array,
                             live: jax.Array | None = None, weight: jax.Array | None = None,
                             gate: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
@@ -228,12 +239,7 @@ def q8_rows_matmul_prologue(prologue: str, x: jax.Array, quants: jax.Array, scal
     if x.ndim != 2 or x.dtype != jnp.float32 or quants.shape[1] != K or K % Q8_BLOCK:
         raise ValueError(f"q8_rows_matmul_prologue({prologue!r}) takes float32 x [M, {width}] and quants [N, K], K a "
                          f"multiple of 32; got {x.dtype}{x.shape}, {quants.shape}")
-    if (weight is None) != (prologue == "swiglu") or (gate is None) != (prologue != "gated_rms_norm"):
-        raise ValueError(f"{prologue!r} takes {'no weight' if prologue == 'swiglu' else 'a weight'} and "
-                         f"{'a gate' if prologue == 'gated_rms_norm' else 'no gate'}")
-    nothing = jnp.zeros((1,), jnp.float32)
-    weight = nothing if weight is None else weight.astype(jnp.float32)
-    gate = nothing if gate is None else gate.astype(jnp.float32)
+    weight, gate = _prologue_operands(prologue, weight, gate)
     M = x.shape[0]
     out = jax.ShapeDtypeStruct((M, quants.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_Q8_PROLOGUE, out, vmap_method="sequential")(
@@ -356,12 +362,7 @@ def block_rows_matmul_prologue(prologue: str, x: jax.Array, blocks: jax.Array, q
     if x.ndim != 2 or x.dtype != jnp.float32:
         raise ValueError(f"block_rows_matmul_prologue({prologue!r}) takes float32 x [M, K]; got {x.dtype}{x.shape}")
     _check_blocks("block_rows_matmul_prologue", K, blocks, qtype)
-    if (weight is None) != (prologue == "swiglu") or (gate is None) != (prologue != "gated_rms_norm"):
-        raise ValueError(f"{prologue!r} takes {'no weight' if prologue == 'swiglu' else 'a weight'} and "
-                         f"{'a gate' if prologue == 'gated_rms_norm' else 'no gate'}")
-    nothing = jnp.zeros((1,), jnp.float32)
-    weight = nothing if weight is None else weight.astype(jnp.float32)
-    gate = nothing if gate is None else gate.astype(jnp.float32)
+    weight, gate = _prologue_operands(prologue, weight, gate)
     M = x.shape[0]
     out = jax.ShapeDtypeStruct((M, blocks.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_BLOCKS_PROLOGUE, out, vmap_method="sequential")(
