@@ -289,6 +289,7 @@ def _make_random(args) -> int:
 BENCHMARKS = {"step": "bench.step", "engine": "bench.engine", "speculation": "bench.speculation",
               "iterations": "bench.iterations", "iteration-cost": "bench.iteration_cost", "mixed": "bench.mixed",
               "peer": "bench.peer", "attention": "bench.attention", "q8-product": "bench.q8_product",
+              "block-product": "bench.block_product",
               "kernels": "bench.kernels", "host": "bench.host",
               "replicas": "bench.replicas"}
 

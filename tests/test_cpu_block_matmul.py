@@ -5,6 +5,10 @@ batch, with its prologues, and its refusals."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,3 +97,20 @@ def test_q8_K_activations_as_llama_cpp():
     d = -2.0 / -127.0
     np.testing.assert_allclose(got[0, :4], np.float32([-127, 64, 2, 127]) * np.float32(d), rtol=1e-6)
     assert np.all(got[0, 256:] == 0)
+
+
+@pytest.mark.skipif(cpu_matmul.block_kernel_isa() != "avx512-vnni", reason="this CPU runs the 256-bit forms itself")
+def test_the_256_bit_forms_where_the_cpu_has_avx512(tmp_path):
+    # A CPU without AVX-512 runs the 256-bit forms: the tests above again, on the library built with only those.
+    env = {**os.environ, "GDNSPEC_CPU_BLOCKS": "avx2"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", __file__, "-k",
+                           "matches_its_reference or prologues or isa"], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@needs_kernel
+def test_isa_is_what_was_asked():
+    wanted = os.environ.get("GDNSPEC_CPU_BLOCKS")
+    assert cpu_matmul.block_kernel_isa() in ((wanted,) if wanted else ("avx2", "avx512-vnni"))

@@ -24,6 +24,14 @@
 #define GDNSPEC_BLOCKS 0
 #endif
 
+// 512-bit products for the K-quants where the CPU has AVX-512 BW, VL and VNNI.
+#if GDNSPEC_BLOCKS && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && !defined(GDNSPEC_BLOCKS_AVX2_ONLY)
+#define GDNSPEC_BLOCKS512 1
+#else
+#define GDNSPEC_BLOCKS512 0
+#endif
+
 namespace gdnspec::blocks {
 
 // ggml's type numbers (GGMLQuantizationType).
@@ -35,9 +43,9 @@ struct ActQ8_0 {
   float d;
   int8_t qs[32];
 };
-struct ActQ8_K {
-  float d;
+struct alignas(64) ActQ8_K {  // qs first, so that the 512-bit products load whole cache lines
   int8_t qs[256];
+  float d;
   int16_t bsums[16];
 };
 
@@ -151,12 +159,73 @@ inline __m256i scales_and_mins(const uint8_t* packed) {
   return _mm256_cvtepu8_epi16(_mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0])));
 }
 
+// acc_m + (-d_x dmin) * sum_j m_j sum(x_q over sub-block j), in four lanes: the mins' part of a Q4_K / Q5_K super-block.
+inline __m128 mins_term(__m128i mins, const ActQ8_K& x, float dmin, __m128 acc_m) {
+  const __m256i bsums = _mm256_loadu_si256((const __m256i*)x.bsums);
+  const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
+  return _mm_fmadd_ps(_mm_set1_ps(-x.d * dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, pairs)), acc_m);
+}
+
+#if GDNSPEC_BLOCKS512
+// int16 a in lanes 0-15 and b in lanes 16-31; bytes a in 0-31 and b in 32-63.
+inline __m512i halves16(short a, short b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(a)), _mm256_set1_epi16(b), 1);
+}
+inline __m512i halves8(int a, int b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8(char(a))), _mm256_set1_epi8(char(b)), 1);
+}
+#endif
+
 // Q4_K / Q5_K: 256 weights in eight sub-blocks of 32, w = d * sc_j * q - dmin * m_j (q unsigned 4 or 5 bits):
 // acc += (d_x d) * sum_j sc_j sum(q x_q) in eight lanes, acc_m += (-d_x dmin) * sum_j m_j sum(x_q) in four.
 template <bool kFifthBit>
 struct QK45 {
   using Act = ActQ8_K;
   static constexpr int64_t kBytes = kFifthBit ? 176 : 144;  // f16 d, f16 dmin, 12 scale bytes, [32 qh], 128 qs
+#if GDNSPEC_BLOCKS512
+  // 64 weights at a time: the 32 bytes of sub-blocks 2j, 2j+1 in both halves of a 512-bit register, the low nibbles
+  // kept in the first, the high ones shifted down in the second (the fifth bits set by a byte mask); the pair sums
+  // times the sub-block's scale accumulated by `dpwssd`; sixteen int32 lanes per super-block.
+  template <int MR>
+  static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
+    __m512 acc[MR];
+    __m128 acc_m[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps(), acc_m[m] = _mm_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0xF);
+    const __m512i nibble_shift = halves16(0, 4);
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* block = w + i * kBytes;
+      const float d = half(block), dmin = half(block + 2);
+      const __m256i sm = scales_and_mins(block + 4);
+      const __m128i mins = _mm256_extracti128_si256(sm, 1);
+      const __m512i scales = _mm512_castsi256_si512(sm);
+      const uint8_t* qs = block + (kFifthBit ? 48 : 16);
+      __m512i high_bits = _mm512_setzero_si512();
+      if constexpr (kFifthBit) high_bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(block + 16)));
+      __m512i sumi[MR];
+      for (int m = 0; m < MR; ++m) {
+        acc_m[m] = mins_term(mins, x[m][i], dmin, acc_m[m]);
+        sumi[m] = _mm512_setzero_si512();
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512i bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * j)));
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bits, nibble_shift), low4);
+        if constexpr (kFifthBit) {
+          const __mmask64 set = _mm512_test_epi8_mask(high_bits, halves8(1 << (2 * j), 1 << (2 * j + 1)));
+          q = _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(16));
+        }
+        const __m512i scale = _mm512_permutexvar_epi16(halves16(2 * j, 2 * j + 1), scales);
+        for (int m = 0; m < MR; ++m)
+          sumi[m] = _mm512_dpwssd_epi32(
+              sumi[m], scale, _mm512_maddubs_epi16(q, _mm512_load_si512((const __m512i*)(x[m][i].qs + 64 * j))));
+      }
+      for (int m = 0; m < MR; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][i].d * d), _mm512_cvtepi32_ps(sumi[m]), acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]) + hsum4(acc_m[m]);
+  }
+#else
   template <int MR>
   static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
     __m256 acc[MR];
@@ -173,9 +242,7 @@ struct QK45 {
       const __m256i high_bits = kFifthBit ? _mm256_loadu_si256((const __m256i*)(block + 16)) : _mm256_setzero_si256();
       __m256i sumi[MR];
       for (int m = 0; m < MR; ++m) {
-        const __m256i bsums = _mm256_loadu_si256((const __m256i*)x[m][i].bsums);
-        const __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bsums), _mm256_extracti128_si256(bsums, 1));
-        acc_m[m] = _mm_fmadd_ps(_mm_set1_ps(-x[m][i].d * dmin), _mm_cvtepi32_ps(_mm_madd_epi16(mins, pairs)), acc_m[m]);
+        acc_m[m] = mins_term(mins, x[m][i], dmin, acc_m[m]);
         sumi[m] = _mm256_setzero_si256();
       }
       for (int j = 0; j < 4; ++j) {
@@ -203,16 +270,69 @@ struct QK45 {
     }
     for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]) + hsum4(acc_m[m]);
   }
+#endif
 };
 
 using Q4_K = QK45<false>;
 using Q5_K = QK45<true>;
+
+#if GDNSPEC_BLOCKS512
+// int16 lanes 8k-8k+7 = s + k (k = 0-3): the scales of four 16-weight sub-blocks over 64 weights' pair sums.
+inline __m512i quarters16(short s) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(short(s + 1)), _mm_set1_epi16(s))),
+      _mm256_set_m128i(_mm_set1_epi16(short(s + 3)), _mm_set1_epi16(short(s + 2))), 1);
+}
+#endif
 
 // Q6_K: 256 weights in sixteen sub-blocks of 16, w = d * sc_j * (q - 32), q 6 bits (128 bytes of low nibbles, 64 of
 // high bit pairs), sc_j int8: acc += (d_x d) * (sum_j sc_j sum(q x_q) - 32 sum_j sc_j sum(x_q)).
 struct Q6_K {
   using Act = ActQ8_K;
   static constexpr int64_t kBytes = 210;  // 128 ql, 64 qh, 16 int8 scales, f16 d
+#if GDNSPEC_BLOCKS512
+  // 64 weights at a time: 64 bytes of ql give weights 128j + 0-63 (low nibbles) and 64-127 (high); their high bit
+  // pairs come from the 32 bytes of qh j shifted per half; four sub-blocks' scales spread over the pair sums.
+  template <int MR>
+  static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
+    __m512 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    const __m512i m15 = _mm512_set1_epi8(15), m48 = _mm512_set1_epi8(48);
+    const __m512i up_low = halves16(4, 2), down_high = halves16(0, 2);
+    for (int64_t i = 0; i < nb; ++i) {
+      const uint8_t* block = w + i * kBytes;
+      const float d = half(block + 208);
+      const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(block + 192)));
+      const __m512i scales = _mm512_castsi256_si512(scales16);
+      __m512i sumi[MR];
+      for (int m = 0; m < MR; ++m)
+        sumi[m] = _mm512_zextsi256_si512(_mm256_sub_epi32(
+            _mm256_setzero_si256(),
+            _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)x[m][i].bsums), scales16), 5)));
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        const __m512i ql = _mm512_loadu_si512((const void*)(block + 64 * j));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(block + 128 + 32 * j)));
+        const __m512i q_low =
+            _mm512_or_si512(_mm512_and_si512(ql, m15), _mm512_and_si512(_mm512_sllv_epi16(qh, up_low), m48));
+        const __m512i q_high = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m15),
+                                               _mm512_and_si512(_mm512_srlv_epi16(qh, down_high), m48));
+        const __m512i scale_low = _mm512_permutexvar_epi16(quarters16(8 * j), scales);
+        const __m512i scale_high = _mm512_permutexvar_epi16(quarters16(8 * j + 4), scales);
+        for (int m = 0; m < MR; ++m) {
+          const int8_t* q8 = x[m][i].qs + 128 * j;
+          sumi[m] = _mm512_dpwssd_epi32(sumi[m], scale_low,
+                                        _mm512_maddubs_epi16(q_low, _mm512_load_si512((const __m512i*)q8)));
+          sumi[m] = _mm512_dpwssd_epi32(sumi[m], scale_high,
+                                        _mm512_maddubs_epi16(q_high, _mm512_load_si512((const __m512i*)(q8 + 64))));
+        }
+      }
+      for (int m = 0; m < MR; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][i].d * d), _mm512_cvtepi32_ps(sumi[m]), acc[m]);
+    }
+    for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  }
+#else
   template <int MR>
   static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
     __m256 acc[MR];
@@ -261,6 +381,7 @@ struct Q6_K {
     }
     for (int m = 0; m < MR; ++m) out[m] = hsum8(acc[m]);
   }
+#endif
 };
 
 // IQ4_XS: 256 weights in eight sub-blocks of 32, w = d * (ls_j - 32) * kvalues[nibble], ls_j 6 bits (4 low bits in

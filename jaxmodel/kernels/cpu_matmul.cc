@@ -47,7 +47,7 @@ using gdnspec::splat;
 using gdnspec::v8;
 
 constexpr int kRowBlock = 4;                    // rows of x per pass over the weights
-constexpr int64_t kChunk = 64;                  // output columns per task, at most
+constexpr int64_t kChunksPerThread = 2;         // tasks per thread of a product
 constexpr int64_t kMinParallelBytes = 1 << 20;  // smaller weights stay on the calling thread
 
 // out[m, n] for m < MR, n in [n0, n1), NR weight rows at a time: MR * NR independent accumulators keep the FMA
@@ -123,17 +123,18 @@ struct LiveRows {
 };
 
 // columns(n0, n1) over [0, N) in chunks, on the pool's threads when size (bytes or products) is large enough to pay
-// for the hand-off. Chunks are whole groups of 8 columns (the Q8_0 layout's row groups), at most kChunk columns, and
-// as many as makes a multiple of the threads: the model's smaller products (192 and 392 outputs) made 3 and 7
-// chunks of 64, so one of two threads did twice or 4/3 the other's share.
+// for the hand-off. Chunks are whole groups of 8 columns (the Q8_0 layout's row groups), kChunksPerThread per thread
+// as near equal as the groups allow: each thread then reads long runs of consecutive weight rows, which the
+// hardware prefetcher follows (chunks of 64 columns taken in turn by two threads read a weight from memory at half
+// the rate), and a thread that starts late takes fewer chunks.
 template <typename Columns>
 void over_columns(ffi::ThreadPool& pool, int64_t N, int64_t size, int64_t min_parallel_size,
                   const Columns& columns) {
   const bool parallel = size >= min_parallel_size;
   const int64_t threads = parallel ? std::max<int64_t>(pool.num_threads(), 1) : 1;
-  const int64_t groups = (N + 7) / 8, most = kChunk / 8;
-  const int64_t n_even = ((groups + most - 1) / most + threads - 1) / threads * threads;
-  const int64_t chunk = 8 * std::max<int64_t>(1, groups / n_even);
+  const int64_t groups = (N + 7) / 8;
+  const int64_t n_target = std::min(groups, threads * kChunksPerThread);
+  const int64_t chunk = 8 * ((groups + n_target - 1) / n_target);
   const int64_t n_chunks = (N + chunk - 1) / chunk;
   gdnspec::over_chunks(pool, n_chunks, parallel,
                        [&](int64_t c) { columns(c * chunk, std::min(N, (c + 1) * chunk)); });
@@ -757,4 +758,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul_prologue, BlockRowsMatmu
                                   .Attr<float>("eps"));
 
 // Whether this build has the block products (AVX2, F16C and FMA).
-extern "C" int gdnspec_block_kernels() { return GDNSPEC_BLOCKS; }
+extern "C" int gdnspec_block_kernels() { return GDNSPEC_BLOCKS512 ? 512 : GDNSPEC_BLOCKS ? 256 : 0; }

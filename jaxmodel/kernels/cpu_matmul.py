@@ -64,6 +64,17 @@ Q8_BLOCK = 32  # weights per Q8_0 block (one scale each)
 Q8_ROW_GROUP = 8  # rows the Q8_0 product's weights interleave, one per vector lane (cpu_matmul.cc, "Q8_0")
 Q8_QUAD = 4  # bytes of a row side by side in the interleaved order
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
+# GDNSPEC_CPU_BLOCKS=avx2 builds the block products' 256-bit forms on a CPU that has AVX-512 (what a CPU without
+# it runs; tests/test_cpu_block_matmul.py checks them that way).
+BLOCKS_ISA_FLAGS = {"avx2": ("-DGDNSPEC_BLOCKS_AVX2_ONLY",)}
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler flags of this process's library: FLAGS, and those GDNSPEC_CPU_BLOCKS asks for."""
+    choice = os.environ.get("GDNSPEC_CPU_BLOCKS", "")
+    if choice and choice not in BLOCKS_ISA_FLAGS:
+        raise KernelUnavailable(f"GDNSPEC_CPU_BLOCKS={choice!r}: one of {sorted(BLOCKS_ISA_FLAGS)} or unset")
+    return FLAGS + BLOCKS_ISA_FLAGS.get(choice, ())
 
 
 class KernelUnavailable(RuntimeError):
@@ -83,7 +94,7 @@ def library_path() -> Path:
     import jaxlib
 
     digest = hashlib.sha256()
-    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(FLAGS).encode(),
+    for part in (*(path.read_bytes() for path in SOURCES + HEADERS), " ".join(flags()).encode(),
                  jaxlib.__version__.encode(), _cpu_features().encode(),
                  platform.machine().encode()):
         digest.update(part)
@@ -109,7 +120,7 @@ def build(path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+    cmd = [compiler, *flags(), f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -137,20 +148,28 @@ def available() -> bool:
     except (KernelUnavailable, OSError, subprocess.SubprocessError) as error:
         log.warning("the CPU kernels are unavailable, using XLA's products and attention: %s", error)
         return False
-    _block_kernels.append(bool(library.gdnspec_block_kernels()))
+    _block_kernels.append(int(library.gdnspec_block_kernels()))
     for target in (TARGET, TARGET_Q8, TARGET_Q8_PROLOGUE, TARGET_BLOCKS, TARGET_BLOCKS_PROLOGUE, TARGET_ATTENTION, TARGET_ATTENTION_F16, TARGET_GDN,
                    TARGET_ARGMAX, TARGET_CONV, TARGET_CONV_PLANES):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     return True
 
 
-_block_kernels: list[bool] = []  # set by `available()`
+_block_kernels: list[int] = []  # set by `available()`: 0, or the vector bits of the block products (256, 512)
 
 
 def block_kernels() -> bool:
     """Whether the block products (`block_rows_matmul`) run here: the library is `available()` and was built for a
     CPU with AVX2, F16C and FMA."""
-    return available() and _block_kernels[-1]
+    return available() and _block_kernels[-1] > 0
+
+
+def block_kernel_isa() -> str:
+    """Which block products this machine's library has: "avx512-vnni" (512-bit products for the K-quants, on CPUs
+    with AVX-512 BW, VL and VNNI), "avx2", or "" (none; the model dequantizes block weights with jnp)."""
+    if not block_kernels():
+        return ""
+    return "avx512-vnni" if _block_kernels[-1] == 512 else "avx2"
 
 
 # ggml types `block_rows_matmul` multiplies (gguf.GGMLQuantizationType values), and the activation type each
