@@ -49,6 +49,19 @@ struct alignas(64) ActQ8_K {  // qs first, so that the 512-bit products load who
   int16_t bsums[16];
 };
 
+// Q8_K as the 512-bit Q4_K / Q5_K product reads it: a super-block's quants in the order it unpacks its weights
+// (`sub_block_order`), so that int32 lane l of its four `dpbusd` sums sub-block `lane_sub_block(l)` alone, and the
+// sums of each sub-block's 32 quants as floats in those lanes (the first of each pair; 0 in the second).
+struct alignas(64) ActQ8_KS {
+  int8_t qs[256];
+  float sums[16];
+  float d;
+};
+
+// Vector v (0-3) of a super-block, byte p (0-63): weight 8v + p % 8 of sub-block 2 (p % 32 / 8) + p / 32.
+constexpr int sub_block_order(int v, int p) { return 32 * (2 * (p % 32 / 8) + p / 32) + 8 * v + p % 8; }
+constexpr int lane_sub_block(int l) { return 2 * (l % 8 / 2) + l / 8; }
+
 #if GDNSPEC_BLOCKS
 
 inline float half(const uint8_t* p) {
@@ -171,8 +184,11 @@ inline __m128 mins_term(__m128i mins, const ActQ8_K& x, float dmin, __m128 acc_m
 inline __m512i halves16(short a, short b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(a)), _mm256_set1_epi16(b), 1);
 }
-inline __m512i halves8(int a, int b) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8(char(a))), _mm256_set1_epi8(char(b)), 1);
+// Byte p: the bit of qh that holds the fifth bit of the weight at p in ActQ8_KS's order (bit s for sub-block s).
+inline __m512i fifth_bit_select() {
+  alignas(64) uint8_t bits[64];
+  for (int p = 0; p < 64; ++p) bits[p] = uint8_t(1 << (2 * (p % 32 / 8) + p / 32));
+  return _mm512_load_si512((const __m512i*)bits);
 }
 #endif
 
@@ -180,52 +196,57 @@ inline __m512i halves8(int a, int b) {
 // acc += (d_x d) * sum_j sc_j sum(q x_q) in eight lanes, acc_m += (-d_x dmin) * sum_j m_j sum(x_q) in four.
 template <bool kFifthBit>
 struct QK45 {
-  using Act = ActQ8_K;
   static constexpr int64_t kBytes = kFifthBit ? 176 : 144;  // f16 d, f16 dmin, 12 scale bytes, [32 qh], 128 qs
 #if GDNSPEC_BLOCKS512
-  // 64 weights at a time: the 32 bytes of sub-blocks 2j, 2j+1 in both halves of a 512-bit register, the low nibbles
-  // kept in the first, the high ones shifted down in the second (the fifth bits set by a byte mask); the pair sums
-  // times the sub-block's scale accumulated by `dpwssd`; sixteen int32 lanes per super-block.
+  // Per super-block, four vectors of 64 weights, each eight of every sub-block (ActQ8_KS's order): quadword v of
+  // each 32-byte run of nibbles picked into both halves of a register (vpermt2q), the second half's high nibbles;
+  // `dpbusd` sums four products per int32 lane, a lane one sub-block's; then per lane, in float,
+  // d_x (d sc_j sum(q x_q) - dmin m_j sum(x_q)).
+  using Act = ActQ8_KS;
   template <int MR>
   static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
     __m512 acc[MR];
-    __m128 acc_m[MR];
-    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps(), acc_m[m] = _mm_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0xF);
     const __m512i nibble_shift = halves16(0, 4);
+    const __m512i lane_scale = _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7);
+    const __m512i lane_min = _mm512_add_epi32(lane_scale, _mm512_set1_epi32(8));
+    const __m512i fifth = kFifthBit ? fifth_bit_select() : _mm512_setzero_si512();
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* block = w + i * kBytes;
-      const float d = half(block), dmin = half(block + 2);
-      const __m256i sm = scales_and_mins(block + 4);
-      const __m128i mins = _mm256_extracti128_si256(sm, 1);
-      const __m512i scales = _mm512_castsi256_si512(sm);
+      const __m512i sm = _mm512_cvtepu16_epi32(scales_and_mins(block + 4));  // sc_0..7, m_0..7
+      const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(half(block)),
+                                       _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane_scale, sm)));
+      const __m512 dmin = _mm512_mul_ps(_mm512_set1_ps(-half(block + 2)),
+                                        _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane_min, sm)));
       const uint8_t* qs = block + (kFifthBit ? 48 : 16);
-      __m512i high_bits = _mm512_setzero_si512();
-      if constexpr (kFifthBit) high_bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(block + 16)));
+      const __m512i nibbles_a = _mm512_loadu_si512((const void*)qs), nibbles_b = _mm512_loadu_si512((const void*)(qs + 64));
       __m512i sumi[MR];
-      for (int m = 0; m < MR; ++m) {
-        acc_m[m] = mins_term(mins, x[m][i], dmin, acc_m[m]);
-        sumi[m] = _mm512_setzero_si512();
-      }
+      for (int m = 0; m < MR; ++m) sumi[m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m512i bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * j)));
-        __m512i q = _mm512_and_si512(_mm512_srlv_epi16(bits, nibble_shift), low4);
+      for (int v = 0; v < 4; ++v) {
+        const __m512i pick = _mm512_setr_epi64(v, 4 + v, 8 + v, 12 + v, v, 4 + v, 8 + v, 12 + v);
+        __m512i q = _mm512_and_si512(
+            _mm512_srlv_epi16(_mm512_permutex2var_epi64(nibbles_a, pick, nibbles_b), nibble_shift), low4);
         if constexpr (kFifthBit) {
-          const __mmask64 set = _mm512_test_epi8_mask(high_bits, halves8(1 << (2 * j), 1 << (2 * j + 1)));
+          int64_t high;
+          std::memcpy(&high, block + 16 + 8 * v, 8);
+          const __mmask64 set = _mm512_test_epi8_mask(_mm512_set1_epi64(high), fifth);
           q = _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(16));
         }
-        const __m512i scale = _mm512_permutexvar_epi16(halves16(2 * j, 2 * j + 1), scales);
         for (int m = 0; m < MR; ++m)
-          sumi[m] = _mm512_dpwssd_epi32(
-              sumi[m], scale, _mm512_maddubs_epi16(q, _mm512_load_si512((const __m512i*)(x[m][i].qs + 64 * j))));
+          sumi[m] = _mm512_dpbusd_epi32(sumi[m], q, _mm512_load_si512((const __m512i*)(x[m][i].qs + 64 * v)));
       }
-      for (int m = 0; m < MR; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][i].d * d), _mm512_cvtepi32_ps(sumi[m]), acc[m]);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 mins = _mm512_mul_ps(dmin, _mm512_load_ps(x[m][i].sums));
+        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][i].d), _mm512_fmadd_ps(dsc, _mm512_cvtepi32_ps(sumi[m]), mins),
+                                 acc[m]);
+      }
     }
-    for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]) + hsum4(acc_m[m]);
+    for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
   }
 #else
+  using Act = ActQ8_K;
   template <int MR>
   static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
     __m256 acc[MR];
@@ -423,10 +444,46 @@ struct IQ4_XS {
 
 #endif  // GDNSPEC_BLOCKS
 
+#if GDNSPEC_BLOCKS512
+// One super-block of quantize_row_q8_K in 16-float vectors: the same operations on each element, so the same bytes.
+inline void quantize_block_q8_K(const float* x, ActQ8_K* y) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int j = 0; j < 16; ++j) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + 16 * j)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  if (amax == 0.f) {
+    std::memset(y, 0, sizeof *y);
+    return;
+  }
+  float max = amax;
+  for (int j = 0; j < 16; ++j) {  // the first element of largest magnitude, as the scalar loop's strict >
+    const __mmask16 at = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(x + 16 * j)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+    if (at) {
+      max = x[16 * j + __builtin_ctz(at)];
+      break;
+    }
+  }
+  const float iscale = -127.f / max;
+  for (int j = 0; j < 16; ++j) {
+    const __m512 shifted =
+        _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(iscale), _mm512_loadu_ps(x + 16 * j)), _mm512_set1_ps(12582912.f));
+    const __m512i v = _mm512_min_epi32(
+        _mm512_sub_epi32(_mm512_and_si512(_mm512_castps_si512(shifted), _mm512_set1_epi32(0x007fffff)),
+                         _mm512_set1_epi32(0x00400000)),
+        _mm512_set1_epi32(127));
+    _mm_storeu_si128((__m128i*)(y->qs + 16 * j), _mm512_cvtepi32_epi8(v));
+    y->bsums[j] = int16_t(_mm512_reduce_add_epi32(v));
+  }
+  y->d = 1.f / iscale;
+}
+#endif
+
 // llama.cpp's quantize_row_q8_K (its reference, which its x86 build uses): per 256, the element of largest magnitude
 // maps to -127 (d = max / -127, the sign kept), q = nearest(x / d) capped at 127 (round half to even, as llama.cpp's
 // nearest_int), and the sums of each 16 quants.
 inline void quantize_row_q8_K(const float* x, int64_t K, ActQ8_K* y) {
+#if GDNSPEC_BLOCKS512
+  for (int64_t i = 0; i < K / 256; ++i) quantize_block_q8_K(x + 256 * i, y + i);
+#else
   for (int64_t i = 0; i < K / 256; ++i, x += 256) {
     float max = 0.f, amax = 0.f;
     for (int j = 0; j < 256; ++j) {
@@ -453,6 +510,22 @@ inline void quantize_row_q8_K(const float* x, int64_t K, ActQ8_K* y) {
       y[i].bsums[j] = int16_t(sum);
     }
     y[i].d = 1.f / iscale;
+  }
+#endif
+}
+
+// quantize_row_q8_K, each super-block's quants in ActQ8_KS's order with its sub-blocks' sums.
+inline void quantize_row_q8_KS(const float* x, int64_t K, ActQ8_KS* y) {
+  ActQ8_K natural;
+  for (int64_t i = 0; i < K / 256; ++i) {
+    quantize_row_q8_K(x + 256 * i, 256, &natural);
+    for (int v = 0; v < 4; ++v)  // quadwords: sub_block_order is 8 consecutive quants at every 8th byte
+      for (int p = 0; p < 64; p += 8) std::memcpy(y[i].qs + 64 * v + p, natural.qs + sub_block_order(v, p), 8);
+    for (int l = 0; l < 16; ++l) {
+      const int j = lane_sub_block(l);
+      y[i].sums[l] = l % 2 ? 0.f : float(natural.bsums[2 * j] + natural.bsums[2 * j + 1]);
+    }
+    y[i].d = natural.d;
   }
 }
 

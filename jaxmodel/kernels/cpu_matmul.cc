@@ -567,9 +567,10 @@ namespace blk = gdnspec::blocks;
 
 #if GDNSPEC_BLOCKS
 template <typename Format>
-constexpr int64_t block_of() { return std::is_same_v<typename Format::Act, blk::ActQ8_K> ? 256 : 32; }
+constexpr int64_t block_of() { return sizeof(Format::Act::qs); }
 
 inline void quantize_act(const float* x, int64_t K, blk::ActQ8_K* y) { blk::quantize_row_q8_K(x, K, y); }
+inline void quantize_act(const float* x, int64_t K, blk::ActQ8_KS* y) { blk::quantize_row_q8_KS(x, K, y); }
 inline void quantize_act(const float* x, int64_t K, blk::ActQ8_0* y) {
   for (int64_t b = 0; b < K / 32; ++b) quantize_rows_q8_0(x + 32 * b, 1, 32, y[b].qs, &y[b].d);
 }
