@@ -78,42 +78,63 @@ void advance(float* S, const float* q, const float* k, const float* v, float g, 
   for (int64_t j = 0; j < Dv; ++j) o[j] *= scale;
 }
 
-// `advance` for Dv = 8 NV, the same arithmetic in the same order, with delta and o held in registers (through
-// memory each FMA of their chains waited on the store before it: the compiler cannot keep them in registers where
-// they might alias the state), from the state at `from` into S (the same or another place: each element is read
-// before it is written).
-template <int NV>
+// `advance` for Dv = NV vectors V (v8, or v16 with AVX-512), the same arithmetic in the same order (each element its
+// own lane's chain of FMAs, so the vector width changes no bit), with delta and o held in registers (through memory
+// each FMA of their chains waited on the store before it: the compiler cannot keep them in registers where they
+// might alias the state), from the state at `from` into S (the same or another place: each element is read before
+// it is written).
+// Unaligned loads and stores of V: a template argument loses the typedefs' aligned(4), so V's own alignment (its
+// size) must not be assumed of a state row.
+template <typename V>
+V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename V>
+void store(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+template <typename V, int NV>
 void advance_fixed(const float* from, float* S, const float* q, const float* k, const float* v, float g, float beta,
                    float* o, int64_t Dk) {
-  constexpr int64_t Dv = 8 * NV;
+  constexpr int64_t L = sizeof(V) / sizeof(float), Dv = L * NV;
   const float decay = std::exp(g), scale = 1.f / std::sqrt(float(Dk));
-  const v8 d = splat(decay);
-  v8 acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = splat(0.f);
+  const V d = V{} + decay;
+  V acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = V{};
   for (int64_t i = 0; i < Dk; ++i) {  // S *= decay; recalled += S[i] k[i]
     const float* previous = from + i * Dv;
     float* row = S + i * Dv;
-    const v8 ki = splat(k[i]);
+    const V ki = V{} + k[i];
     for (int j = 0; j < NV; ++j) {
-      const v8 s = *(const v8*)(previous + 8 * j) * d;
-      *(v8*)(row + 8 * j) = s;
+      const V s = load<V>(previous + L * j) * d;
+      store(row + L * j, s);
       acc[j] = multiply_add(acc[j], s, ki);
     }
   }
-  v8 delta[NV];
-  for (int j = 0; j < NV; ++j) delta[j] = splat(beta) * (*(const v8*)(v + 8 * j) - acc[j]);
-  for (int j = 0; j < NV; ++j) acc[j] = splat(0.f);
+  V delta[NV];
+  for (int j = 0; j < NV; ++j) delta[j] = (V{} + beta) * (load<V>(v + L * j) - acc[j]);
+  for (int j = 0; j < NV; ++j) acc[j] = V{};
   for (int64_t i = 0; i < Dk; ++i) {  // S += k[i] delta; o += S[i] q[i]
     float* row = S + i * Dv;
-    const v8 ki = splat(k[i]), qi = splat(q[i]);
+    const V ki = V{} + k[i], qi = V{} + q[i];
     for (int j = 0; j < NV; ++j) {
-      const v8 s = multiply_add(*(v8*)(row + 8 * j), ki, delta[j]);
-      *(v8*)(row + 8 * j) = s;
+      const V s = multiply_add(load<V>(row + L * j), ki, delta[j]);
+      store(row + L * j, s);
       acc[j] = multiply_add(acc[j], s, qi);
     }
   }
-  for (int j = 0; j < NV; ++j) *(v8*)(o + 8 * j) = acc[j] * splat(scale);
+  for (int j = 0; j < NV; ++j) store(o + L * j, acc[j] * (V{} + scale));
 }
+
+#ifdef __AVX512F__
+using StateRow = gdnspec::v16;
+#else
+using StateRow = v8;
+#endif
+constexpr int kRowLanes = sizeof(StateRow) / sizeof(float);
 
 // initial: the head's state before the row's first token (its read plane, or a copy of it). Each token's state goes
 // straight into its write plane where it has one (else into a buffer) and the next token reads it there, so a
@@ -141,9 +162,9 @@ void row_head(const Shape& s, int64_t b, int64_t h, const float* q, const float*
     const float *qt = q + (bt * s.Hk + kh) * s.Dk, *kt = k + (bt * s.Hk + kh) * s.Dk, *vt = v + (bt * s.Hv + h) * s.Dv;
     const float gt = g[bt * s.Hv + h], beta_t = beta[bt * s.Hv + h];
     switch (s.Dv) {
-      case 32: advance_fixed<4>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
-      case 64: advance_fixed<8>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
-      case 128: advance_fixed<16>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
+      case 32: advance_fixed<StateRow, 32 / kRowLanes>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
+      case 64: advance_fixed<StateRow, 64 / kRowLanes>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
+      case 128: advance_fixed<StateRow, 128 / kRowLanes>(state, next, qt, kt, vt, gt, beta_t, o, s.Dk); break;
       default:
         if (next != state) std::memmove(next, state, state_size * sizeof(float));
         advance(next, qt, kt, vt, gt, beta_t, o, delta.data(), s.Dk, s.Dv);
