@@ -47,6 +47,18 @@ def test_block_product_matches_its_reference_for_every_batch(qtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q5_0, QT.Q8_0], ids=lambda t: t.name)
+def test_block_product_of_an_odd_number_of_blocks(qtype):
+    # Five blocks a row: the two-block records end in a half-filled one, and the last row's last block ends the
+    # weight buffer (nothing may be read past it).
+    w = jnp.asarray(random_blocks(np.random.default_rng(4), qtype, (9, 160)))
+    x = _x(3, 160)
+    got = np.asarray(cpu_matmul.block_rows_matmul(x, w, int(qtype)))
+    want = np.asarray(cpu_matmul.block_rows_matmul_reference(x, w, int(qtype)))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@needs_kernel
 def test_block_product_against_gguf_dequantize_on_quantized_normals():
     # A Q8_0 weight as gguf's quantizer writes it: the product is the dequantized weight's, to float32 rounding.
     rng = np.random.default_rng(3)
@@ -104,7 +116,7 @@ def test_the_256_bit_forms_where_the_cpu_has_avx512(tmp_path):
     # A CPU without AVX-512 runs the 256-bit forms: the tests above again, on the library built with only those.
     env = {**os.environ, "GDNSPEC_CPU_BLOCKS": "avx2"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", __file__, "-k",
-                           "matches_its_reference or prologues or isa"], env=env, capture_output=True, text=True,
+                           "matches_its_reference or odd_number or prologues or isa"], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]

@@ -58,6 +58,16 @@ struct alignas(64) ActQ8_KS {
   float d;
 };
 
+// Q8_0 as the 512-bit Q4_0 / Q5_0 products read it, two blocks to a record (a row of an odd number of blocks ends in
+// a record whose second block is zeros): the quants, -kOffset sum(q) of block b in int32 lane 8b (0 in the others;
+// the weights' offset, their stored values being q + kOffset) and block b's d in lanes 8b-8b+7.
+template <int kOffset>
+struct alignas(64) ActQ8_0x2 {
+  int8_t qs[64];
+  int32_t offset[16];
+  float d[16];
+};
+
 // Vector v (0-3) of a super-block, byte p (0-63): weight 8v + p % 8 of sub-block 2 (p % 32 / 8) + p / 32.
 constexpr int sub_block_order(int v, int p) { return 32 * (2 * (p % 32 / 8) + p / 32) + 8 * v + p % 8; }
 constexpr int lane_sub_block(int l) { return 2 * (l % 8 / 2) + l / 8; }
@@ -113,7 +123,7 @@ inline __m256i bits32(const uint8_t* p) {
 template <typename Unpack>
 struct Block32 {
   using Act = ActQ8_0;
-  static constexpr int64_t kBytes = Unpack::kBytes;
+  static constexpr int64_t kBytes = Unpack::kBytes, kBlock = 32;
   template <int MR>
   static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
     __m256 acc[MR];
@@ -148,9 +158,75 @@ struct UnpackQ5_0 {  // f16 d, 4 bytes of fifth bits, 16 bytes of nibbles: q = n
   }
 };
 
-using Q8_0 = Block32<UnpackQ8_0>;
+#if GDNSPEC_BLOCKS512
+// Q4_0 / Q5_0, two blocks per 512-bit vector: the two blocks' bytes in one load (nothing read past the row),
+// their nibbles spread by one byte permutation into weights 0-31 of each (the fifth bits added from a 64-bit mask),
+// as unsigned q + kOffset; `dpbusd` from ActQ8_0x2's offsets sums sum(q x_q) in eight int32 lanes per block; the
+// lanes scaled by d_w d_x in float.
+template <typename Unpack>
+struct Block32x2 {
+  static constexpr int kOffset = Unpack::kOffset;
+  static constexpr int64_t kBytes = Unpack::kBytes, kBlock = 32;
+  using Act = ActQ8_0x2<kOffset>;
+  template <int MR>
+  static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
+    __m512 acc[MR];
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+    // Bytes 0-15 and 16-31 of the vector from the first block's nibbles, 32-63 from the second's; the high nibbles
+    // (weights 16-31) shifted down in the second quarter of each.
+    alignas(64) uint8_t spread[64];
+    alignas(64) uint16_t scale_words[32] = {};
+    for (int p = 0; p < 64; ++p) spread[p] = uint8_t((p / 32) * kBytes + Unpack::kQuants + p % 16);
+    for (int l = 0; l < 16; ++l) scale_words[l] = uint16_t((l / 8) * kBytes / 2);
+    const __m512i spread_v = _mm512_load_si512((const __m512i*)spread);
+    const __m512i scale_v = _mm512_load_si512((const __m512i*)scale_words);
+    const __m512i nibble_shift = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
+                                                   0x0004000400040004, 0x0004000400040004);
+    const __m512i low4 = _mm512_set1_epi8(0xF);
+    for (int64_t b = 0; b < nb; b += 2) {
+      const uint8_t* blocks = w + b * kBytes;
+      const bool pair = b + 1 < nb;
+      // The row's last record reads only its bytes (masked); the others 64 (masked loads from memory are not
+      // prefetched: a whole product ran at a third of the rate).
+      const __m512i raw = b + 2 < nb ? _mm512_loadu_si512((const void*)blocks)
+                                     : _mm512_maskz_loadu_epi8(_bzhi_u64(~0ull, (pair ? 2 : 1) * kBytes), blocks);
+      __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(spread_v, raw), nibble_shift), low4);
+      if constexpr (Unpack::kFifthBits) {
+        uint32_t h0, h1 = 0;
+        std::memcpy(&h0, blocks + 2, 4);
+        if (pair) std::memcpy(&h1, blocks + kBytes + 2, 4);
+        q = _mm512_mask_add_epi8(q, _cvtu64_mask64(h0 | uint64_t(h1) << 32), q, _mm512_set1_epi8(16));
+      }
+      const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(scale_v, raw)));
+      const int64_t r = b / 2;
+      for (int m = 0; m < MR; ++m) {
+        const __m512i sum = _mm512_dpbusd_epi32(_mm512_load_si512((const __m512i*)x[m][r].offset), q,
+                                                _mm512_load_si512((const __m512i*)x[m][r].qs));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_load_ps(x[m][r].d)), _mm512_cvtepi32_ps(sum), acc[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  }
+};
+
+struct PairsQ4_0 {  // f16 d, 16 bytes of nibbles: q = nibble - 8
+  static constexpr int64_t kBytes = 18, kQuants = 2;
+  static constexpr int kOffset = 8;
+  static constexpr bool kFifthBits = false;
+};
+struct PairsQ5_0 {  // f16 d, 4 bytes of fifth bits, 16 bytes of nibbles: q = (nibble | bit << 4) - 16
+  static constexpr int64_t kBytes = 22, kQuants = 6;
+  static constexpr int kOffset = 16;
+  static constexpr bool kFifthBits = true;
+};
+
+using Q4_0 = Block32x2<PairsQ4_0>;
+using Q5_0 = Block32x2<PairsQ5_0>;
+#else
 using Q4_0 = Block32<UnpackQ4_0>;
 using Q5_0 = Block32<UnpackQ5_0>;
+#endif
+using Q8_0 = Block32<UnpackQ8_0>;
 
 // ---------------------------------------------------------------------------------------------- K-quants
 
@@ -196,6 +272,7 @@ inline __m512i fifth_bit_select() {
 // acc += (d_x d) * sum_j sc_j sum(q x_q) in eight lanes, acc_m += (-d_x dmin) * sum_j m_j sum(x_q) in four.
 template <bool kFifthBit>
 struct QK45 {
+  static constexpr int64_t kBlock = 256;
   static constexpr int64_t kBytes = kFifthBit ? 176 : 144;  // f16 d, f16 dmin, 12 scale bytes, [32 qh], 128 qs
 #if GDNSPEC_BLOCKS512
   // Per super-block, four vectors of 64 weights, each eight of every sub-block (ActQ8_KS's order): quadword v of
@@ -310,7 +387,7 @@ inline __m512i quarters16(short s) {
 // high bit pairs), sc_j int8: acc += (d_x d) * (sum_j sc_j sum(q x_q) - 32 sum_j sc_j sum(x_q)).
 struct Q6_K {
   using Act = ActQ8_K;
-  static constexpr int64_t kBytes = 210;  // 128 ql, 64 qh, 16 int8 scales, f16 d
+  static constexpr int64_t kBytes = 210, kBlock = 256;  // 128 ql, 64 qh, 16 int8 scales, f16 d
 #if GDNSPEC_BLOCKS512
   // 64 weights at a time: 64 bytes of ql give weights 128j + 0-63 (low nibbles) and 64-127 (high); their high bit
   // pairs come from the 32 bytes of qh j shifted per half; four sub-blocks' scales spread over the pair sums.
@@ -409,7 +486,7 @@ struct Q6_K {
 // scales_l, 2 high in scales_h): acc += (d_x d) * sum_j (ls_j - 32) sum(kvalues[q] x_q).
 struct IQ4_XS {
   using Act = ActQ8_K;
-  static constexpr int64_t kBytes = 136;  // f16 d, uint16 scales_h, 4 bytes scales_l, 128 qs
+  static constexpr int64_t kBytes = 136, kBlock = 256;  // f16 d, uint16 scales_h, 4 bytes scales_l, 128 qs
   template <int MR>
   static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
     const __m128i values128 = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);

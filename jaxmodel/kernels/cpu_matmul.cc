@@ -567,25 +567,49 @@ namespace blk = gdnspec::blocks;
 
 #if GDNSPEC_BLOCKS
 template <typename Format>
-constexpr int64_t block_of() { return sizeof(Format::Act::qs); }
+constexpr int64_t block_of() { return Format::kBlock; }
+
+// Activation records of a row of K inputs (a record holds one block, or two for the 512-bit 32-weight products).
+template <typename Format>
+constexpr int64_t records_of(int64_t K) {
+  constexpr int64_t per = sizeof(Format::Act::qs);
+  return (K + per - 1) / per;
+}
 
 inline void quantize_act(const float* x, int64_t K, blk::ActQ8_K* y) { blk::quantize_row_q8_K(x, K, y); }
 inline void quantize_act(const float* x, int64_t K, blk::ActQ8_KS* y) { blk::quantize_row_q8_KS(x, K, y); }
 inline void quantize_act(const float* x, int64_t K, blk::ActQ8_0* y) {
   for (int64_t b = 0; b < K / 32; ++b) quantize_rows_q8_0(x + 32 * b, 1, 32, y[b].qs, &y[b].d);
 }
+#if GDNSPEC_BLOCKS512
+template <int kOffset>
+void quantize_act(const float* x, int64_t K, blk::ActQ8_0x2<kOffset>* y) {
+  std::memset(y, 0, (K + 63) / 64 * sizeof *y);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    auto& record = y[b / 2];
+    const int half = int(b % 2);
+    float d;
+    quantize_rows_q8_0(x + 32 * b, 1, 32, record.qs + 32 * half, &d);
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += record.qs[32 * half + j];
+    record.offset[8 * half] = -kOffset * sum;
+    for (int l = 0; l < 8; ++l) record.d[8 * half + l] = d;
+  }
+}
+#endif
 
 template <typename Format>
 void block_columns(const uint8_t* w, const typename Format::Act* x, float* const* out, int64_t L, int64_t nb,
                    int64_t n0, int64_t n1) {
   using Act = typename Format::Act;
+  const int64_t records = records_of<Format>(nb * Format::kBlock);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wn = w + n * nb * Format::kBytes;
     for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
       const Act* rows[kRowBlock];
       float sums[kRowBlock];
       const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
-      for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * nb;
+      for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * records;
       switch (mr) {
         case 1: Format::template dot<1>(wn, rows, nb, sums); break;
         case 2: Format::template dot<2>(wn, rows, nb, sums); break;
@@ -605,16 +629,16 @@ ffi::Error block_product(ffi::ThreadPool& pool, const int32_t* live, int64_t M, 
   thread_local LiveRows rows;
   thread_local std::vector<Act> xa;
   rows.find(live, M, out, N);
-  const int64_t L = rows.count(), nb = K / block_of<Format>();
+  const int64_t L = rows.count(), nb = K / block_of<Format>(), records = records_of<Format>(K);
   if (L == 0) return ffi::Error::Success();
-  if (xa.size() < size_t(L * nb)) xa.resize(L * nb);
+  if (xa.size() < size_t(L * records)) xa.resize(L * records);
   {
     const int64_t* index = rows.index.data();
     Act* a = xa.data();
     gdnspec::over_chunks(pool, L, L * K * cost_per_element >= kMinParallelInput, [=, &input](int64_t i) {
       thread_local std::vector<float> buffer;
       if (buffer.size() < size_t(K)) buffer.resize(K);
-      quantize_act(input(index[i], buffer.data()), K, a + i * nb);
+      quantize_act(input(index[i], buffer.data()), K, a + i * records);
     });
   }
   const Act* ap = xa.data();
