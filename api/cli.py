@@ -277,11 +277,15 @@ def _loadtest(args) -> int:
 
 
 def _make_random(args) -> int:
+    import numpy as np
+
     from jaxmodel.gguf_io import write_gguf
     from jaxmodel.random_model import PRESETS, random_weights
 
     cfg = PRESETS[args.preset]
-    write_gguf(args.out, cfg, random_weights(cfg, seed=args.seed), dtype=args.dtype, name=f"random-{args.preset}")
+    store = np.float16 if args.dtype == "f16" else np.float32  # the file's bytes either way, in half the memory
+    write_gguf(args.out, cfg, random_weights(cfg, seed=args.seed, store=store), dtype=args.dtype,
+               name=f"random-{args.preset}")
     print(f"wrote {args.out} ({args.preset}, {args.dtype})")
     return 0
 

@@ -69,58 +69,67 @@ PRESETS: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 
-def _attention(rng, cfg: ModelConfig, scale: float) -> Attention:
+def _normals(rng, scale: float, store) -> tuple:
+    """normal(*shape): float32 Normal(0, scale); matrix(*shape): the same stored as `store` (the matmul weights
+    and tables, which a file holds in its export type)."""
+    normal = lambda *shape: (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)  # noqa: E731
+    return normal, lambda *shape: normal(*shape).astype(store, copy=False)
+
+
+def _attention(rng, cfg: ModelConfig, scale: float, store=np.float32) -> Attention:
     E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    normal = lambda *shape: (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
+    normal, matrix = _normals(rng, scale, store)
     return Attention(
-        q=normal(E, 2 * H * D), k=normal(E, Hkv * D), v=normal(E, Hkv * D), o=normal(H * D, E),
+        q=matrix(E, 2 * H * D), k=matrix(E, Hkv * D), v=matrix(E, Hkv * D), o=matrix(H * D, E),
         q_norm=1 + normal(D), k_norm=1 + normal(D),
     )  # fmt: skip
 
 
-def _moe(rng, cfg: ModelConfig, scale: float) -> MoeFfn:
+def _moe(rng, cfg: ModelConfig, scale: float, store=np.float32) -> MoeFfn:
     E, X, Fe, Fs = cfg.n_embd, cfg.n_expert, cfg.n_ff_expert, cfg.n_ff_shared
-    normal = lambda *shape: (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
+    normal, matrix = _normals(rng, scale, store)
     return MoeFfn(
-        router=normal(E, X) * 50, gate=normal(X, E, Fe), up=normal(X, E, Fe), down=normal(X, Fe, E),
-        shared_router=normal(E), shared_gate=normal(E, Fs), shared_up=normal(E, Fs), shared_down=normal(Fs, E),
+        router=normal(E, X) * 50, gate=matrix(X, E, Fe), up=matrix(X, E, Fe), down=matrix(X, Fe, E),
+        shared_router=normal(E), shared_gate=matrix(E, Fs), shared_up=matrix(E, Fs), shared_down=matrix(Fs, E),
     )  # fmt: skip
 
 
-def _layer(rng, cfg: ModelConfig, recurrent: bool, scale: float) -> Layer:
+def _layer(rng, cfg: ModelConfig, recurrent: bool, scale: float, store=np.float32) -> Layer:
     E, C, Hv, Dk, F = cfg.n_embd, cfg.conv_channels, cfg.ssm_heads, cfg.ssm_state, cfg.n_ff
-    normal = lambda *shape: (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
+    normal, matrix = _normals(rng, scale, store)
     if recurrent:
         mixer = GatedDeltaNet(
-            qkv=normal(E, C), gate=normal(E, Hv * Dk), conv=normal(C, cfg.conv_kernel) * 10,
+            qkv=matrix(E, C), gate=matrix(E, Hv * Dk), conv=normal(C, cfg.conv_kernel) * 10,
             dt_bias=normal(Hv), a=-np.exp(rng.uniform(0, 2.7, Hv)).astype(np.float32),
-            beta=normal(E, Hv), alpha=normal(E, Hv), norm=1 + normal(Dk), out=normal(Hv * Dk, E),
+            beta=matrix(E, Hv), alpha=matrix(E, Hv), norm=1 + normal(Dk), out=matrix(Hv * Dk, E),
         )  # fmt: skip
     else:
-        mixer = _attention(rng, cfg, scale)
+        mixer = _attention(rng, cfg, scale, store)
     return Layer(
         attn_norm=1 + normal(E),
         post_norm=1 + normal(E),
         mixer=mixer,
-        ffn=_moe(rng, cfg, scale) if cfg.is_moe else DenseFfn(gate=normal(E, F), up=normal(E, F), down=normal(F, E)),
-    )
+        ffn=(_moe(rng, cfg, scale, store) if cfg.is_moe
+             else DenseFfn(gate=matrix(E, F), up=matrix(E, F), down=matrix(F, E))),
+    )  # fmt: skip
 
 
-def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> Weights:
+def random_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, store=np.float32) -> Weights:
     """Normal(0, scale) matmul weights (the router 50 times wider, so routing is far from uniform), norms near
     1, ssm_a = -exp(U(0, 2.7)); untied output; one MTP block when cfg.n_mtp; MoE in every layer when
-    cfg.n_expert."""
+    cfg.n_expert. store: the dtype of the matmul weights and tables (float16 halves what a float16 file of a
+    large preset needs in memory while it is written; the file's bytes are the same)."""
     rng = np.random.default_rng(seed)
     E, V = cfg.n_embd, cfg.n_vocab
-    normal = lambda *shape: (rng.standard_normal(shape, np.float32) * scale).astype(np.float32)
-    embed = normal(V, E)
-    output = normal(E, V)
+    normal, matrix = _normals(rng, scale, store)
+    embed = matrix(V, E)
+    output = matrix(E, V)
     output_norm = 1 + normal(E)
-    layers = tuple(_layer(rng, cfg, cfg.recurrent[i], scale) for i in range(cfg.n_layer))
+    layers = tuple(_layer(rng, cfg, cfg.recurrent[i], scale, store) for i in range(cfg.n_layer))
     mtp = None
     if cfg.n_mtp:
         mtp = Mtp(
-            eh_proj=normal(2 * E, E), enorm=1 + normal(E), hnorm=1 + normal(E), head_norm=output_norm,
-            embed=embed, head=output, layer=_layer(rng, cfg, False, scale),
+            eh_proj=matrix(2 * E, E), enorm=1 + normal(E), hnorm=1 + normal(E), head_norm=output_norm,
+            embed=embed, head=output, layer=_layer(rng, cfg, False, scale, store),
         )  # fmt: skip
     return Weights(embed=embed, output_norm=output_norm, output=output, layers=layers, mtp=mtp)

@@ -1,15 +1,22 @@
 // Dot products of ggml block-quantized weight rows (the file's bytes, GGUF's order) with quantized activations, for
 // the CPU block product (cpu_matmul.cc, "Block formats"). Each format is llama.cpp's: its block layout, the
 // activation type its CPU backend quantizes x to (Q8_0 for the 32-weight blocks, Q8_K for the 256-weight super-blocks),
-// and its AVX2 vec_dot arithmetic (exact integer products per block, scaled into eight float lanes, the lanes added
+// and its vec_dot arithmetic (exact integer products per block or sub-block, scaled into float lanes, the lanes added
 // at the end), extended to MR rows of x: a weight block is loaded and unpacked once and multiplied into every row.
 // A row's sum depends on that row of x and the weight row only, in one order whatever MR, so a verify step's products
 // equal a one-token step's bit for bit.
 //
-// Shapes: a weight row of K inputs is K / kBlock blocks of kBytes; an activation row is K / kBlock `Act` blocks.
-// Every format's `dot<MR>(w, x, nb, out)`: w one weight row (nb blocks), x[m] row m's activation blocks, out[m] its
-// sum. AVX2 only (GDNSPEC_BLOCKS is 0 elsewhere; the model then dequantizes with jnp, jaxmodel/quant_blocks.py).
-// Reference: `block_rows_matmul_reference` in cpu_matmul.py; tests: tests/test_cpu_block_matmul.py.
+// Two forms. The 256-bit one (AVX2, F16C, FMA) is llama.cpp's AVX2 arithmetic: `maddubs` pair sums, scaled by
+// `madd`, eight int32 lanes per block. The 512-bit one (AVX-512 BW, VL and VNNI; Q4_0, Q5_0, Q4_K, Q5_K, Q6_K)
+// sums four byte products per int32 lane with `dpbusd` (or scales pair sums with `dpwssd`, Q6_K), over activations
+// laid out for it (ActQ8_KS, ActQ8_0x2), sixteen lanes per block; same integers, the float lanes added in another
+// order than llama.cpp's. Without AVX2 GDNSPEC_BLOCKS is 0 and the model dequantizes with jnp
+// (jaxmodel/quant_blocks.py).
+//
+// Shapes: a weight row of K inputs is K / kBlock blocks of kBytes; an activation row is K / sizeof(Act::qs) `Act`
+// records (rounded up). Every format's `dot<MR>(w, x, nb, out)`: w one weight row (nb blocks), x[m] row m's
+// activation records, out[m] its sum. Reference: `block_rows_matmul_reference` in cpu_matmul.py; tests:
+// tests/test_cpu_block_matmul.py (which also runs the 256-bit form on a CPU that has the 512-bit one).
 
 #pragma once
 
@@ -24,7 +31,7 @@
 #define GDNSPEC_BLOCKS 0
 #endif
 
-// 512-bit products for the K-quants where the CPU has AVX-512 BW, VL and VNNI.
+// The 512-bit forms, where the CPU has AVX-512 BW, VL and VNNI (GDNSPEC_BLOCKS_AVX2_ONLY: the 256-bit ones).
 #if GDNSPEC_BLOCKS && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__) && !defined(GDNSPEC_BLOCKS_AVX2_ONLY)
 #define GDNSPEC_BLOCKS512 1

@@ -559,9 +559,9 @@ ffi::Error Q8RowsMatmulPrologue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, f
 //
 // out[M, N] = x[M, K] @ dequant(w[N, K / block * bytes])^T for weights kept as their file's ggml blocks (Q4_0, Q5_0,
 // Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS; cpu_blocks.h), one weight row after another as the file holds them: each live row
-// of x quantized as llama.cpp quantizes it for that type (Q8_0 or Q8_K), then per weight row its blocks multiplied
-// into up to four rows of x at a time, the row's bytes staying in L1 for the next four. A row's result depends on
-// that row of x only.
+// of x quantized as llama.cpp quantizes it for that type (Q8_0 or Q8_K, into the format's activation records), then
+// per weight row its blocks multiplied into up to four rows of x at a time, the row's bytes staying in L1 for the
+// next four. A row's result depends on that row of x only.
 
 namespace blk = gdnspec::blocks;
 
