@@ -101,6 +101,9 @@ def gdn_mixer(
     o, ssm_pool = gated_delta_rule(q, k, v, g, beta, ssm_pool, read_plane, write_planes, final_only=final_only,
                                    n_tokens=n_tokens)
 
+    if w.out_heads is not None:  # out's inputs in the file's head order; the per-head gated norm commutes
+        heads = jnp.asarray(w.out_heads)
+        o, z = o[:, :, heads], z.reshape(B, T, Hv, Dk)[:, :, heads].reshape(B, T, Hv * Dk)
     o = Prologued("gated_rms_norm", o.reshape(B, T, Hv * Dk), w.norm, z, cfg.norm_eps)
     return linear(o, w.out, live=valid), conv_pool, ssm_pool, replay_pool
 

@@ -181,22 +181,51 @@ def tiled_head_order(n_key_heads: int, n_value_heads: int) -> np.ndarray:
     return (p % n_key_heads) * r + p // n_key_heads
 
 
+def _output_rows(ts: _Tensors, name: str, shape: tuple[int, ...], index: np.ndarray) -> np.ndarray | BlockRows:
+    """`ts.matmul(name, shape)` with its output rows taken in `index` order. A block weight keeps its blocks (a
+    row's blocks are its own); an interleaved Q8_0 one is dequantized."""
+    w = ts.matmul(name, shape)
+    if isinstance(w, BlockRows):
+        return w.outputs(index)
+    if not isinstance(w, np.ndarray):
+        w = ts.matmul(name, shape, quantized=False)
+    return np.ascontiguousarray(w[..., index])
+
+
 def _gdn_grouped(ts: _Tensors, p: str, cfg: ModelConfig) -> GatedDeltaNet:
     """A qwen3next GDN layer: fused attn_qkv + attn_gate (or the legacy per-key-head ssm_in), ssm_ba, value
-    heads grouped by key head; returned with value heads in tiled order."""
+    heads grouped by key head; returned with value heads in tiled order. The projections' output rows are
+    reordered, so block weights stay blocks; a block ssm_out keeps its inputs in the file's order (reordering
+    them would split blocks) and names it in `out_heads`, so that the GDN output's heads are reordered instead."""
     E, C, Hk, Hv, Dk, Kc = cfg.n_embd, cfg.conv_channels, cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
     r, n_qk = Hv // Hk, 2 * Hk * Dk
-    if ts.has(p + "ssm_in.weight"):
-        # Per key head: [q Dk | k Dk | v r*Dv | z r*Dv] output rows.
-        fused = ts.get(p + "ssm_in.weight", (n_qk + 2 * Hv * Dk, E)).reshape(Hk, 2 * Dk + 2 * r * Dk, E)
-        q, k, v, z = np.split(fused, [Dk, 2 * Dk, 2 * Dk + r * Dk], axis=1)
-        qkv = np.concatenate([q.reshape(-1, E), k.reshape(-1, E), v.reshape(-1, E)])  # [C, E]
-        gate = z.reshape(Hv * Dk, E)
-    else:
-        qkv = ts.get(p + "attn_qkv.weight", (C, E))
-        gate = ts.get(p + "attn_gate.weight", (Hv * Dk, E))
-    ba = ts.get(p + "ssm_ba.weight", (2 * Hv, E)).reshape(Hk, 2 * r, E)  # per key head [b r | a r]
     order = tiled_head_order(Hk, Hv)
+    if not ts.has(p + "ssm_in.weight"):  # fused attn_qkv and attn_gate
+        head_rows = (order[:, None] * Dk + np.arange(Dk)).reshape(-1)  # tiled head p's rows in grouped order
+        group, i = order // r, order % r  # ssm_ba holds, per key head, r rows of beta then r of alpha
+        conv = ts.get(p + "ssm_conv1d.weight", (C, Kc))
+        out, out_heads = ts.matmul(p + "ssm_out.weight", (E, Hv * Dk)), tuple(int(h) for h in np.argsort(order))
+        if not isinstance(out, BlockRows):  # a float weight takes its inputs in tiled order
+            out = ts.matmul(p + "ssm_out.weight", (E, Hv * Dk), quantized=False)
+            out, out_heads = np.ascontiguousarray(out.reshape(Hv, Dk, E)[order].reshape(Hv * Dk, E)), None
+        return GatedDeltaNet(
+            qkv=_output_rows(ts, p + "attn_qkv.weight", (C, E), np.concatenate([np.arange(n_qk), n_qk + head_rows])),
+            gate=_output_rows(ts, p + "attn_gate.weight", (Hv * Dk, E), head_rows),
+            conv=np.concatenate([conv[:n_qk], conv[n_qk:][head_rows]]),
+            dt_bias=ts.get(p + "ssm_dt.bias", (Hv,))[order],
+            a=ts.get(p + "ssm_a", (Hv,))[order],
+            beta=_output_rows(ts, p + "ssm_ba.weight", (2 * Hv, E), group * 2 * r + i),
+            alpha=_output_rows(ts, p + "ssm_ba.weight", (2 * Hv, E), group * 2 * r + r + i),
+            norm=ts.get(p + "ssm_norm.weight", (Dk,)),
+            out=out,
+            out_heads=out_heads,
+        )  # fmt: skip
+    # The legacy per-key-head ssm_in: [q Dk | k Dk | v r*Dv | z r*Dv] output rows per key head, dequantized.
+    fused = ts.get(p + "ssm_in.weight", (n_qk + 2 * Hv * Dk, E)).reshape(Hk, 2 * Dk + 2 * r * Dk, E)
+    q, k, v, z = np.split(fused, [Dk, 2 * Dk, 2 * Dk + r * Dk], axis=1)
+    qkv = np.concatenate([q.reshape(-1, E), k.reshape(-1, E), v.reshape(-1, E)])  # [C, E]
+    gate = z.reshape(Hv * Dk, E)
+    ba = ts.get(p + "ssm_ba.weight", (2 * Hv, E)).reshape(Hk, 2 * r, E)  # per key head [b r | a r]
     rows = lambda a: np.ascontiguousarray(a.reshape(Hv, -1, *a.shape[1:])[order].reshape(a.shape))
     qkv = np.concatenate([qkv[:n_qk], rows(qkv[n_qk:])])
     conv = ts.get(p + "ssm_conv1d.weight", (C, Kc))
@@ -448,7 +477,9 @@ def _put_gdn_grouped(put, p: str, mixer: GatedDeltaNet, cfg: ModelConfig) -> Non
     ba = np.concatenate([beta.reshape(Hk, r, E), alpha.reshape(Hk, r, E)], axis=1).reshape(2 * Hv, E)
     put(p + "ssm_ba.weight", ba.T, matmul=True)
     put(p + "ssm_norm.weight", mixer.norm)
-    out = np.asarray(mixer.out).T.reshape(E, Hv, Dk)[:, grouped].reshape(E, Hv * Dk)
+    out = np.asarray(mixer.out).T  # [E, Hv Dk]
+    if mixer.out_heads is None:  # inputs in tiled order
+        out = out.reshape(E, Hv, Dk)[:, grouped].reshape(E, Hv * Dk)
     put(p + "ssm_out.weight", out.T, matmul=True)
 
 

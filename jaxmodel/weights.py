@@ -242,10 +242,14 @@ class Attention:
     v_bias: jax.Array | None = None  # [Hkv D]
 
 
-@pytree
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["qkv", "gate", "conv", "dt_bias", "a", "beta", "alpha", "norm", "out"],
+                   meta_fields=["out_heads"])  # fmt: skip
+@dataclass(frozen=True)
 class GatedDeltaNet:
     """Value heads in tiled order (value head h uses key head h % Hk); qwen3next's grouped heads are permuted
-    into it at load."""
+    into it at load, except the inputs of a block `out` (moving them would split blocks): that keeps the file's
+    order, `out_heads` naming the value head each group of Dv inputs takes."""
 
     qkv: jax.Array  # [E, C]  output [q: Hk Dk | k: Hk Dk | v: Hv Dv]
     gate: jax.Array  # [E, Hv Dv]  z
@@ -256,6 +260,7 @@ class GatedDeltaNet:
     alpha: jax.Array  # [E, Hv]
     norm: jax.Array  # [Dv]
     out: jax.Array  # [Hv Dv, E]
+    out_heads: tuple[int, ...] | None = None  # [Hv]; None: tiled order
 
 
 @pytree

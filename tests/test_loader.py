@@ -19,7 +19,9 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 
 from jaxmodel import Model, ModelFormatError, load_model
 from jaxmodel.gguf_io import read_gguf, write_gguf
+from jaxmodel.kernels import cpu_matmul
 from jaxmodel.random_model import PRESETS, random_weights
+from jaxmodel.weights import BlockRows
 from jaxmodel.tokenizer import load_tokenizer
 
 TINY = DATA / "tiny-qwen35-mtp.gguf"
@@ -211,6 +213,35 @@ def test_quantized_types_load_as_their_dequantized_values(tmp_path, qtype):
     np.testing.assert_array_equal(a, b)
     blocks, _ = load_model(quant_path).score(tokens)
     np.testing.assert_allclose(blocks, b, rtol=0, atol=0.05 * np.abs(b).max())
+
+
+def test_qwen3next_projections_keep_their_blocks(tmp_path):
+    """qwen3next's GDN projections group value heads by key head; the loader reorders their output rows into
+    tiled order, which a block weight does by moving whole rows, and leaves ssm_out's inputs in the file's order
+    (the GDN output's heads are reordered instead): all stay blocks, and the model gives the logits of the same
+    file with every weight dequantized (within the activations' 8-bit rounding)."""
+    # Three value heads per key head: the grouped-to-tiled permutation is not its own inverse.
+    cfg = PRESETS["qwen3next-tiny"].replace(ssm_heads=6)
+    src = tmp_path / "f32.gguf"
+    write_gguf(src, cfg, random_weights(cfg, seed=2))
+    reader = GGUFReader(src)
+    names = ("blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_ba.weight", "blk.0.ssm_out.weight")
+    data = {t.name: np.asarray(t.data, np.float32) for t in reader.tensors if t.name in names}
+    path = rewrite(src, tmp_path / "q4_0.gguf", tensors={n: (quants.quantize(a, QT.Q4_0), QT.Q4_0)
+                                                          for n, a in data.items()})  # fmt: skip
+    kept, plain = load_model(path), load_model(path, cpu_kernel=False)
+    if cpu_matmul.block_kernels():  # the fused projections: the file's blocks, the same weights once dequantized
+        blocks, dense = kept.weights.layers[0].mixer.qkv.w, plain.weights.layers[0].mixer.qkv.w
+        assert isinstance(blocks, BlockRows)
+        np.testing.assert_array_equal(np.asarray(blocks.dequantized()), np.asarray(dense))
+        mixer = kept.weights.layers[0].mixer
+        assert isinstance(mixer.out, BlockRows) and sorted(mixer.out_heads) == list(range(6))
+        assert plain.weights.layers[0].mixer.out_heads is None
+    tokens = [3, 17, 200, 5, 9, 44]
+    logits, _ = kept.score(tokens)
+    want, _ = plain.score(tokens)
+    # Rows of 64 inputs: two 8-bit blocks of x per product, so the activations' rounding shows more than at 256.
+    np.testing.assert_allclose(logits, want, rtol=0, atol=0.15 * np.abs(want).max())
 
 
 def test_model_from_random_preset_runs(tmp_path):
