@@ -95,6 +95,16 @@ def test_truncated_file_is_named(tmp_path):
         load_model(path)
 
 
+def test_truncated_k_quant_file_is_named(tmp_path):
+    # A llama-quantize Q4_K_M file cut inside its last block tensor: refused before any block is read past the end.
+    data = (DATA / "bundled-target-q4_k_m.gguf").read_bytes()
+    last = max(GGUFReader(DATA / "bundled-target-q4_k_m.gguf").tensors, key=lambda t: int(t.data_offset))
+    path = tmp_path / "cut-q4_k_m.gguf"
+    path.write_bytes(data[: int(last.data_offset) + int(last.n_bytes) // 2])
+    with pytest.raises(ModelFormatError, match=rf"cut-q4_k_m\.gguf: truncated: tensor '{re.escape(last.name)}'"):
+        load_model(path)
+
+
 def test_not_a_gguf_and_no_file(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"not a gguf file at all" * 10)
