@@ -57,11 +57,11 @@ struct alignas(64) ActQ8_K {  // qs first, so that the 512-bit products load who
 };
 
 // Q8_K as the 512-bit Q4_K / Q5_K product reads it: a super-block's quants in the order it unpacks its weights
-// (`sub_block_order`), so that int32 lane l of its four `dpbusd` sums sub-block `lane_sub_block(l)` alone, and the
-// sums of each sub-block's 32 quants as floats in those lanes (the first of each pair; 0 in the second).
+// (`sub_block_order`), so that int32 lane l of its four `dpbusd` sums sub-block `lane_sub_block(l)` alone, and
+// d times the sum of each sub-block's 32 quants in those lanes (the first of each pair; 0 in the second).
 struct alignas(64) ActQ8_KS {
   int8_t qs[256];
-  float sums[16];
+  float scaled_sums[16];
   float d;
 };
 
@@ -255,6 +255,18 @@ inline __m256i scales_and_mins(const uint8_t* packed) {
   return _mm256_cvtepu8_epi16(_mm_set_epi32(int(u[3]), int(u[2]), int(u[1]), int(u[0])));
 }
 
+// The same 16 values as bytes, from vector operations on the 12 bytes (read as 16: a block goes on past them).
+inline __m128i scale_min_bytes(const uint8_t* packed) {
+  const __m128i q = _mm_loadu_si128((const __m128i*)packed);
+  // sc_0-3 = q_0-3 & 63; sc_4-7 = q_8-11 & 15 | q_0-3 >> 6 << 4; m_0-3 = q_4-7 & 63; m_4-7 = q_8-11 >> 4 | q_4-7 >> 6 << 4
+  const __m128i low = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i low_bits = _mm_blend_epi32(
+      _mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+      _mm_and_si128(_mm_srli_epi16(low, 4), _mm_set1_epi8(15)), 0b1000);
+  const __m128i high = _mm_shuffle_epi8(q, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  return _mm_or_si128(low_bits, _mm_and_si128(_mm_srli_epi16(high, 2), _mm_set1_epi8(0x30)));
+}
+
 // acc_m + (-d_x dmin) * sum_j m_j sum(x_q over sub-block j), in four lanes: the mins' part of a Q4_K / Q5_K super-block.
 inline __m128 mins_term(__m128i mins, const ActQ8_K& x, float dmin, __m128 acc_m) {
   const __m256i bsums = _mm256_loadu_si256((const __m256i*)x.bsums);
@@ -285,7 +297,7 @@ struct QK45 {
   // Per super-block, four vectors of 64 weights, each eight of every sub-block (ActQ8_KS's order): quadword v of
   // each 32-byte run of nibbles picked into both halves of a register (vpermt2q), the second half's high nibbles;
   // `dpbusd` sums four products per int32 lane, a lane one sub-block's; then per lane, in float,
-  // d_x (d sc_j sum(q x_q) - dmin m_j sum(x_q)).
+  // (d d_x sc_j) sum(q x_q) - dmin m_j (d_x sum(x_q)).
   using Act = ActQ8_KS;
   template <int MR>
   static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
@@ -298,7 +310,7 @@ struct QK45 {
     const __m512i fifth = kFifthBit ? fifth_bit_select() : _mm512_setzero_si512();
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* block = w + i * kBytes;
-      const __m512i sm = _mm512_cvtepu16_epi32(scales_and_mins(block + 4));  // sc_0..7, m_0..7
+      const __m512i sm = _mm512_cvtepu8_epi32(scale_min_bytes(block + 4));  // sc_0..7, m_0..7
       const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(half(block)),
                                        _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lane_scale, sm)));
       const __m512 dmin = _mm512_mul_ps(_mm512_set1_ps(-half(block + 2)),
@@ -322,9 +334,8 @@ struct QK45 {
           sumi[m] = _mm512_dpbusd_epi32(sumi[m], q, _mm512_load_si512((const __m512i*)(x[m][i].qs + 64 * v)));
       }
       for (int m = 0; m < MR; ++m) {
-        const __m512 mins = _mm512_mul_ps(dmin, _mm512_load_ps(x[m][i].sums));
-        acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][i].d), _mm512_fmadd_ps(dsc, _mm512_cvtepi32_ps(sumi[m]), mins),
-                                 acc[m]);
+        acc[m] = _mm512_fmadd_ps(dmin, _mm512_load_ps(x[m][i].scaled_sums), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dsc, _mm512_set1_ps(x[m][i].d)), _mm512_cvtepi32_ps(sumi[m]), acc[m]);
       }
     }
     for (int m = 0; m < MR; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
@@ -607,7 +618,7 @@ inline void quantize_row_q8_KS(const float* x, int64_t K, ActQ8_KS* y) {
       for (int p = 0; p < 64; p += 8) std::memcpy(y[i].qs + 64 * v + p, natural.qs + sub_block_order(v, p), 8);
     for (int l = 0; l < 16; ++l) {
       const int j = lane_sub_block(l);
-      y[i].sums[l] = l % 2 ? 0.f : float(natural.bsums[2 * j] + natural.bsums[2 * j + 1]);
+      y[i].scaled_sums[l] = l % 2 ? 0.f : natural.d * float(natural.bsums[2 * j] + natural.bsums[2 * j + 1]);
     }
     y[i].d = natural.d;
   }
