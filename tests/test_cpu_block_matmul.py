@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -116,10 +117,23 @@ def test_the_256_bit_forms_where_the_cpu_has_avx512(tmp_path):
     # A CPU without AVX-512 runs the 256-bit forms: the tests above again, on the library built with only those.
     env = {**os.environ, "GDNSPEC_CPU_BLOCKS": "avx2"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", __file__, "-k",
-                           "matches_its_reference or odd_number or prologues or isa"], env=env, capture_output=True, text=True,
+                           "matches_its_reference or odd_number or prologues or reads_past or isa"], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]
+
+
+@needs_kernel
+def test_no_format_reads_past_its_row(tmp_path):
+    # Rows of 1-9 blocks ending at an inaccessible page: a read past a row's last byte would fault.
+    binary = tmp_path / "row_end"
+    flags = [f for f in cpu_matmul.flags() if f not in ("-shared", "-fPIC")]
+    source = Path(__file__).parent / "native" / "block_row_end.cc"
+    subprocess.run([cpu_matmul.cxx(), *flags, f"-I{cpu_matmul.SOURCES[0].parent}", str(source), "-o", str(binary)],
+                   check=True, timeout=300)  # fmt: skip
+    done = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-500:]}"
+    assert done.stdout.split() == ["ok", "512" if cpu_matmul.block_kernel_isa() == "avx512-vnni" else "256"]
 
 
 @needs_kernel

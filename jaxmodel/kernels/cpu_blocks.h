@@ -193,10 +193,11 @@ struct Block32x2 {
     for (int64_t b = 0; b < nb; b += 2) {
       const uint8_t* blocks = w + b * kBytes;
       const bool pair = b + 1 < nb;
-      // The row's last record reads only its bytes (masked); the others 64 (masked loads from memory are not
-      // prefetched: a whole product ran at a third of the rate).
-      const __m512i raw = b + 2 < nb ? _mm512_loadu_si512((const void*)blocks)
-                                     : _mm512_maskz_loadu_epi8((1ull << ((pair ? 2 : 1) * kBytes)) - 1, blocks);
+      // 64 bytes where the row holds them; near its end only the record's own (masked: masked loads from memory
+      // are not prefetched, and a whole product of them ran at a third of the rate).
+      const __m512i raw = (nb - b) * kBytes >= 64
+                              ? _mm512_loadu_si512((const void*)blocks)
+                              : _mm512_maskz_loadu_epi8((1ull << ((pair ? 2 : 1) * kBytes)) - 1, blocks);
       __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(spread_v, raw), nibble_shift), low4);
       if constexpr (Unpack::kFifthBits) {
         uint32_t h0, h1 = 0;
