@@ -193,19 +193,30 @@ struct Block32x2 {
     for (int64_t b = 0; b < nb; b += 2) {
       const uint8_t* blocks = w + b * kBytes;
       const bool pair = b + 1 < nb;
-      // 64 bytes where the row holds them; near its end only the record's own (masked: masked loads from memory
-      // are not prefetched, and a whole product of them ran at a third of the rate).
-      const __m512i raw = (nb - b) * kBytes >= 64
-                              ? _mm512_loadu_si512((const void*)blocks)
-                              : _mm512_maskz_loadu_epi8((1ull << ((pair ? 2 : 1) * kBytes)) - 1, blocks);
-      __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(spread_v, raw), nibble_shift), low4);
+      // 64 bytes from the record where the row holds them, else the row's last 64 with the permutations' indices
+      // moved along (a row of fewer bytes: the record's own, masked). Masked loads are not prefetched: a product
+      // of them ran at a third of the rate from memory, and masking a row's last records cost it 18%.
+      const int64_t left = (nb - b) * kBytes;
+      __m512i raw, spread = spread_v, scale = scale_v;
+      if (left >= 64) {
+        raw = _mm512_loadu_si512((const void*)blocks);
+      } else if (nb * kBytes >= 64) {
+        raw = _mm512_loadu_si512((const void*)(blocks + left - 64));
+        spread = _mm512_add_epi8(spread, _mm512_set1_epi8(char(64 - left)));
+        scale = _mm512_add_epi16(scale, _mm512_set1_epi16(short((64 - left) / 2)));  // kBytes is even
+      } else {
+        raw = _mm512_maskz_loadu_epi8((1ull << ((pair ? 2 : 1) * kBytes)) - 1, blocks);
+      }
+      __m512i q = _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(spread, raw), nibble_shift), low4);
       if constexpr (Unpack::kFifthBits) {
         uint32_t h0, h1 = 0;
         std::memcpy(&h0, blocks + 2, 4);
         if (pair) std::memcpy(&h1, blocks + kBytes + 2, 4);
         q = _mm512_mask_add_epi8(q, _cvtu64_mask64(h0 | uint64_t(h1) << 32), q, _mm512_set1_epi8(16));
       }
-      const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(scale_v, raw)));
+      // A record of one block: its second half's scale 0 (its quants, and x's, are then read from elsewhere or 0).
+      const __m512 dw = _mm512_maskz_mov_ps(pair ? 0xFFFF : 0x00FF,
+                                            _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(scale, raw))));
       const int64_t r = b / 2;
       for (int m = 0; m < MR; ++m) {
         const __m512i sum = _mm512_dpbusd_epi32(_mm512_load_si512((const __m512i*)x[m][r].offset), q,
