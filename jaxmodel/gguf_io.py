@@ -283,15 +283,16 @@ def _layer(ts: _Tensors, index: int, cfg: ModelConfig, recurrent: bool) -> Layer
 
 def read_gguf(
     path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False, keep_q8_0: bool = False,
-    keep_blocks=(), finish_layer=None,
+    keep_blocks=(), finish_layer=None, reader: gguf.GGUFReader | None = None,
 ) -> tuple[ModelConfig, Weights, gguf.GGUFReader]:
     """Read config and numpy weights (float32, or f16 for F16 tensors with keep_f16, or `Q8Rows` for 2-D Q8_0
     matmul weights with keep_q8_0, or `BlockRows` for matmul weights, expert stacks and embedding tables of the
     ggml types in keep_blocks); every defect raises ModelFormatError naming the file and the tensor. finish_layer
     (optional): applied to each `Layer` as soon as it is read (the loader fuses and places it, so that the numpy
-    copies of one layer at a time exist beside the final weights)."""
+    copies of one layer at a time exist beside the final weights). reader: the file already opened (`open_gguf`),
+    which is then not parsed again."""
     path = str(path)
-    reader = open_gguf(path)
+    reader = reader or open_gguf(path)
     cfg = from_gguf(reader, path)
     ts = _Tensors(reader, path, keep_f16, keep_q8_0, frozenset(keep_blocks))
     V, E = cfg.n_vocab, cfg.n_embd

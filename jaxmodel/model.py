@@ -254,11 +254,12 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     keep_blocks = BLOCK_KEPT if use_kernels and cpu_matmul.block_kernels() and weight_dtype == "float32" else ()
     # A file of block-quantized weights: each layer is fused and placed on the device as it is read, so the load's
     # peak stays within a layer of the weights' own bytes (float files keep the order of the steps below).
-    blocks_file = bool(keep_blocks) and any(t.tensor_type in keep_blocks for t in open_gguf(str(path)).tensors)
+    reader = open_gguf(str(path))  # opened once: parsing the header is most of a small file's load
+    blocks_file = bool(keep_blocks) and any(t.tensor_type in keep_blocks for t in reader.tensors)
     finish_layer = (lambda layer: to_device(fuse_layer(layer) if fuse else layer)) if blocks_file else None
     cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16,
                                 keep_q8_0=use_kernels and weight_dtype == "float32", keep_blocks=keep_blocks,
-                                finish_layer=finish_layer)
+                                finish_layer=finish_layer, reader=reader)
     # A verify step's temporaries hold about one GDN plane per fed token; where 4 tokens' outgrow a thread's heap,
     # only the main arena keeps them for the next step (jaxmodel.host_memory).
     retain_freed_memory(single_arena=4 * bytes_per_plane(cfg) > THREAD_HEAP_BYTES)
