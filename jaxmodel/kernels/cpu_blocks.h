@@ -41,6 +41,12 @@
 
 namespace gdnspec::blocks {
 
+// A vector's worth of constants, computed at compile time.
+template <typename T, int N>
+struct alignas(64) Lanes {
+  T v[N];
+};
+
 // ggml's type numbers (GGMLQuantizationType).
 enum Type : int32_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_XS = 23 };
 
@@ -175,18 +181,24 @@ struct Block32x2 {
   static constexpr int kOffset = Unpack::kOffset;
   static constexpr int64_t kBytes = Unpack::kBytes, kBlock = 32;
   using Act = ActQ8_0x2<kOffset>;
+  // Bytes 0-15 and 16-31 of the vector from the first block's nibbles, 32-63 from the second's (the high nibbles,
+  // weights 16-31, are shifted down in the second quarter of each); the two blocks' scales, eight lanes each.
+  static constexpr Lanes<uint8_t, 64> kSpread = [] {
+    Lanes<uint8_t, 64> t{};
+    for (int p = 0; p < 64; ++p) t.v[p] = uint8_t((p / 32) * kBytes + Unpack::kQuants + p % 16);
+    return t;
+  }();
+  static constexpr Lanes<uint16_t, 32> kScaleWords = [] {
+    Lanes<uint16_t, 32> t{};
+    for (int l = 0; l < 16; ++l) t.v[l] = uint16_t((l / 8) * kBytes / 2);
+    return t;
+  }();
   template <int MR>
   static void dot(const uint8_t* w, const Act* const* x, int64_t nb, float* out) {
     __m512 acc[MR];
     for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
-    // Bytes 0-15 and 16-31 of the vector from the first block's nibbles, 32-63 from the second's; the high nibbles
-    // (weights 16-31) shifted down in the second quarter of each.
-    alignas(64) uint8_t spread[64];
-    alignas(64) uint16_t scale_words[32] = {};
-    for (int p = 0; p < 64; ++p) spread[p] = uint8_t((p / 32) * kBytes + Unpack::kQuants + p % 16);
-    for (int l = 0; l < 16; ++l) scale_words[l] = uint16_t((l / 8) * kBytes / 2);
-    const __m512i spread_v = _mm512_load_si512((const __m512i*)spread);
-    const __m512i scale_v = _mm512_load_si512((const __m512i*)scale_words);
+    const __m512i spread_v = _mm512_load_si512((const __m512i*)kSpread.v);
+    const __m512i scale_v = _mm512_load_si512((const __m512i*)kScaleWords.v);
     const __m512i nibble_shift = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
                                                    0x0004000400040004, 0x0004000400040004);
     const __m512i low4 = _mm512_set1_epi8(0xF);
@@ -292,11 +304,11 @@ inline __m512i halves16(short a, short b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(a)), _mm256_set1_epi16(b), 1);
 }
 // Byte p: the bit of qh that holds the fifth bit of the weight at p in ActQ8_KS's order (bit s for sub-block s).
-inline __m512i fifth_bit_select() {
-  alignas(64) uint8_t bits[64];
-  for (int p = 0; p < 64; ++p) bits[p] = uint8_t(1 << (2 * (p % 32 / 8) + p / 32));
-  return _mm512_load_si512((const __m512i*)bits);
-}
+inline constexpr Lanes<uint8_t, 64> kFifthBitSelect = [] {
+  Lanes<uint8_t, 64> t{};
+  for (int p = 0; p < 64; ++p) t.v[p] = uint8_t(1 << (2 * (p % 32 / 8) + p / 32));
+  return t;
+}();
 #endif
 
 // Q4_K / Q5_K: 256 weights in eight sub-blocks of 32, w = d * sc_j * q - dmin * m_j (q unsigned 4 or 5 bits):
@@ -319,7 +331,7 @@ struct QK45 {
     const __m512i nibble_shift = halves16(0, 4);
     const __m512i lane_scale = _mm512_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6, 1, 1, 3, 3, 5, 5, 7, 7);
     const __m512i lane_min = _mm512_add_epi32(lane_scale, _mm512_set1_epi32(8));
-    const __m512i fifth = kFifthBit ? fifth_bit_select() : _mm512_setzero_si512();
+    const __m512i fifth = _mm512_load_si512((const __m512i*)kFifthBitSelect.v);
     for (int64_t i = 0; i < nb; ++i) {
       const uint8_t* block = w + i * kBytes;
       const __m512i sm = _mm512_cvtepu8_epi32(scale_min_bytes(block + 4));  // sc_0..7, m_0..7
