@@ -740,6 +740,15 @@ auto q8_binding() {
       .Arg<ffi::Buffer<ffi::S32>>();  // live
 }
 
+// x, the blocks and live: what both block targets take first.
+auto block_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::U8>>()
+      .Arg<ffi::Buffer<ffi::S32>>();  // live
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_rows_matmul, RowsMatmul,
@@ -761,20 +770,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul_prologue, Q8RowsMatmulProlo
                                   .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul, BlockRowsMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("type"));
+                              block_binding().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("type"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul_prologue, BlockRowsMatmulPrologue,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // live
+                              block_binding()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weight (rms_norm, gated_rms_norm)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate (gated_rms_norm)
                                   .Ret<ffi::Buffer<ffi::F32>>()
@@ -782,5 +781,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul_prologue, BlockRowsMatmu
                                   .Attr<int32_t>("prologue")
                                   .Attr<float>("eps"));
 
-// Whether this build has the block products (AVX2, F16C and FMA).
+// The block products this build has: 512 (the 512-bit forms, AVX-512 BW, VL and VNNI), 256 (AVX2, F16C and FMA),
+// or 0 (none).
 extern "C" int gdnspec_block_kernels() { return GDNSPEC_BLOCKS512 ? 512 : GDNSPEC_BLOCKS ? 256 : 0; }
