@@ -254,12 +254,12 @@ void quantize_rows_q8_0(const float* x, int64_t M, int64_t K, int8_t* q, float* 
 // With VNNI each weight vector is read offset by 128 (w ^ 0x80 as unsigned bytes, 0..255), because the instruction
 // multiplies unsigned bytes by signed ones: sum((w + 128) * x) - 128 * sum(x) = sum(w * x), exactly. The
 // correction depends on x alone: -128 * sum(x) of each block of each row of x, computed once per product, starts
-// the block's integer accumulators.
-void x_block_offsets(const int8_t* q, int64_t blocks, int32_t* offsets) {
+// the block's integer accumulators. (The 512-bit Q4_0 / Q5_0 products' weights are offset by 8 or 16: `offset`.)
+void x_block_offsets(const int8_t* q, int64_t blocks, int32_t* offsets, int32_t offset = 128) {
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t sum = 0;
     for (int i = 0; i < kQ8Block; ++i) sum += q[b * kQ8Block + i];
-    offsets[b] = -128 * sum;
+    offsets[b] = -offset * sum;
   }
 }
 
@@ -590,9 +590,7 @@ void quantize_act(const float* x, int64_t K, blk::ActQ8_0x2<kOffset>* y) {
     const int half = int(b % 2);
     float d;
     quantize_rows_q8_0(x + 32 * b, 1, 32, record.qs + 32 * half, &d);
-    int32_t sum = 0;
-    for (int j = 0; j < 32; ++j) sum += record.qs[32 * half + j];
-    record.offset[8 * half] = -kOffset * sum;
+    x_block_offsets(record.qs + 32 * half, 1, &record.offset[8 * half], kOffset);
     for (int l = 0; l < 8; ++l) record.d[8 * half + l] = d;
   }
 }
