@@ -43,12 +43,13 @@ def _build_engine(args):
         raise SystemExit(f"gdnspec: --replicas {args.replicas}: at least 1")
     model_path, draft_path = _model_paths(args)
     try:  # a file that cannot serve is the user's to fix: one line naming it and what is wrong, no traceback
-        model = load_model(model_path, weight_dtype=args.weight_dtype)
+        quantized = False if args.dequantize_at_load else None
+        model = load_model(model_path, weight_dtype=args.weight_dtype, quantized=quantized)
         tokenizer = load_tokenizer(model_path)
         draft = None
         if draft_path:
             check_same_vocab(model_path, draft_path)
-            draft = load_model(draft_path, load_mtp=False, weight_dtype=args.weight_dtype)
+            draft = load_model(draft_path, load_mtp=False, weight_dtype=args.weight_dtype, quantized=quantized)
     except ValueError as exc:  # ModelFormatError, or a draft model of another vocabulary
         raise SystemExit(f"gdnspec: cannot load the model: {exc}") from None
     engine_args = dict(
@@ -88,6 +89,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="the MTP head drafts among the token ids below this (default: all)")
     p.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default=None,
                    help="matmul weights (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--dequantize-at-load", action="store_true",
+                   help="hold block-quantized weights (Q4_K, Q8_0, ...) as float copies in the weight dtype instead "
+                        "of the file's bytes: more memory (bf16: about 3.5x a Q4_K_M file), for a backend whose "
+                        "products of quantized weights measure slower")
     p.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
                    help="the target's KV cache: float16 holds twice the positions in the same budget and reads "
                         "half the bytes at a long context")

@@ -65,6 +65,12 @@ step iteration-cost 150 "$PY" -m bench.iteration_cost --rounds 5 --out "$OUT/ite
 step iteration-cost-command-buffers 150 env \
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
     "$PY" -m bench.iteration_cost --rounds 5 --out "$OUT/iteration-cost-command-buffers.json"
+# Block-quantized weights on the GPU (a llama-quantize Q4_K_M of the bundled target, carried in tests/data): the
+# file's bytes dequantized inside each step, against bf16 copies made at load.
+step step-q4_k_m 120 "$PY" -m bench.step --model tests/data/bundled-target-q4_k_m.gguf --batches 1,32 \
+    --verify-t 1,4 --rounds 3 --out "$OUT/step-bundled-q4_k_m.json"
+step step-q4_k_m-bf16 120 "$PY" -m bench.step --model tests/data/bundled-target-q4_k_m.gguf --batches 1,32 \
+    --verify-t 1,4 --rounds 3 --dequantize-at-load --out "$OUT/step-bundled-q4_k_m-bf16.json"
 # End to end: does speculation pay at one stream (one batch size to compile), then `mtp,ngram` at 16 streams, whose
 # last GPU run predates a fix (docs/performance.md, "On a GPU").
 step speculation-1 300 "$PY" -m bench.speculation --streams 1 --drafters "plain;mtp;ngram;mtp,ngram" --repeats 1 \

@@ -95,9 +95,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES, help="the KV pages")
     parser.add_argument("--weight-dtype", default=None, choices=("float32", "bfloat16"),
                         help="matmul weights (default: the backend's, see jaxmodel/precision.py)")
+    parser.add_argument("--dequantize-at-load", action="store_true",
+                        help="block-quantized weights as float copies (default: the backend's choice, "
+                             "jaxmodel.model.kept_block_types)")
     args = parser.parse_args(argv)
-    model = load_model(args.model, weight_dtype=args.weight_dtype)
-    weight_bytes = sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(model.weights))
+    model = load_model(args.model, weight_dtype=args.weight_dtype,
+                       quantized=False if args.dequantize_at_load else None)
+    weight_bytes = model.weights_bytes
     copy_bytes_per_s = copy_bandwidth(1 << (30 if jax.default_backend() == "gpu" else 26))
     roofline_ms = weight_bytes / copy_bytes_per_s * 1e3
     print(f"weights {weight_bytes / 1e9:.2f} GB, copy {copy_bytes_per_s / 1e9:.0f} GB/s: roofline "
@@ -111,6 +115,7 @@ def main(argv=None) -> dict:
         "context": args.context,
         "weight_dtype": args.weight_dtype or default_weight_dtype(),
         "kv_dtype": args.kv_dtype,
+        "dequantize_at_load": args.dequantize_at_load,
         "weight_bytes": weight_bytes,
         "retain_freed_memory": retain_freed_memory(),
         "copy_gb_per_s": copy_bytes_per_s / 1e9,

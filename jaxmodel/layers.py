@@ -93,7 +93,8 @@ def eigen_dot(x: jax.Array, w: jax.Array, precision: jax.lax.Precision) -> jax.A
 
 def _multiplies_blocks(w: BlockRows) -> bool:
     """Whether the CPU block product takes w as it is (else `linear` multiplies its dequantized values)."""
-    return w.blocks.ndim == 2 and w.qtype in cpu_matmul.BLOCK_TYPES and cpu_matmul.block_kernels()
+    return (w.blocks.ndim == 2 and w.compute_dtype == "float32" and w.qtype in cpu_matmul.BLOCK_TYPES
+            and cpu_matmul.block_kernels())
 
 
 def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = None,

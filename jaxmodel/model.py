@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from . import quant_blocks
 from .config import ModelConfig
 from .gdn import gdn_mixer, gdn_rebuild
 from .gguf_io import read_gguf, to_device
@@ -233,8 +234,24 @@ class Model:
 BLOCK_KEPT = frozenset({QT.Q4_0, QT.Q5_0, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.IQ4_XS})
 
 
+def kept_block_types(backend: str, use_kernels: bool, weight_dtype: str, quantized: bool | None) -> frozenset:
+    """The ggml types `load_model` keeps as the file's bytes (`weights.BlockRows`), the others being dequantized
+    at load. quantized None: the backend's choice; on an accelerator every block type (its products dequantize
+    each weight inside the step, so device memory holds the file's bytes, not a bf16 copy of twice their size);
+    on CPU the block product's types (BLOCK_KEPT), where its kernels build and weights are float32, else none
+    (XLA's float products). True: every block type on any backend (on CPU the types the kernels lack are
+    dequantized inside the step, the accelerators' form, which tests run on CPU); False: none."""
+    if quantized is False:
+        return frozenset()
+    if backend == "cpu" and quantized is None:
+        multiplies = use_kernels and cpu_matmul.block_kernels() and weight_dtype == "float32"
+        return BLOCK_KEPT if multiplies else frozenset()
+    return frozenset(quant_blocks.FORMATS)
+
+
 def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool = False,
-               weight_dtype: str | None = None, cpu_kernel: bool = True, fuse: bool = True) -> Model:
+               weight_dtype: str | None = None, cpu_kernel: bool = True, fuse: bool = True,
+               quantized: bool | None = None) -> Model:
     """Load a qwen35 / qwen35moe / qwen3next GGUF (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
     IQ4_NL, IQ4_XS; dequantised to float32, except on CPU: see cpu_kernel).
 
@@ -248,10 +265,12 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     for the few-row kernel (`precision.transpose_matmul_weights`); False dequantizes everything to float32 and
     keeps XLA's products (benchmarks compare both). fuse: store the products that share an input as one where
     their forms match (`weights.fuse_projections`; through the CPU kernels results are unchanged).
+    quantized: which block-quantized weights stay the file's bytes (`kept_block_types`); by default all of them on
+    an accelerator, dequantized inside the step to weight_dtype (the values a load-time copy would hold).
     """
     weight_dtype = weight_dtype or default_weight_dtype()
     use_kernels = cpu_kernel and cpu_matmul.available()
-    keep_blocks = BLOCK_KEPT if use_kernels and cpu_matmul.block_kernels() and weight_dtype == "float32" else ()
+    keep_blocks = kept_block_types(jax.default_backend(), use_kernels, weight_dtype, quantized)
     # A file of block-quantized weights: each layer is fused and placed on the device as it is read, so the load's
     # peak stays within a layer of the weights' own bytes (float files keep the order of the steps below).
     reader = open_gguf(str(path))  # opened once: parsing the header is most of a small file's load

@@ -8,13 +8,14 @@ slower than its float32 ones, so weights stay float32 there (dequantised from th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .weights import Transposed, Weights
+from .weights import BlockRows, Transposed, Weights
 
 WEIGHT_DTYPES = ("float32", "bfloat16")
 
@@ -47,7 +48,8 @@ def default_weight_dtype(backend: str | None = None) -> str:
 
 def cast_matmul_weights(weights: Weights, dtype: str) -> Weights:
     """`weights` with every float32 matmul weight and embedding table (arrays of 2 or more dims, but not those named
-    in KEPT_FLOAT32) in `dtype`; vectors (norms, biases, decay parameters) stay as they are. Tied arrays stay tied."""
+    in KEPT_FLOAT32) in `dtype`, and every `BlockRows` weight dequantized to `dtype` in the step; vectors (norms,
+    biases, decay parameters) stay as they are. Tied arrays stay tied."""
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {dtype!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
     target = jnp.dtype(dtype)
@@ -58,6 +60,10 @@ def cast_matmul_weights(weights: Weights, dtype: str) -> Weights:
     def cast(x):
         return np.asarray(x, dtype=target) if isinstance(x, np.ndarray) else x.astype(target)
 
+    def computed_in_target(x):  # blocks stay blocks; their dequantized values are rounded to dtype in the step
+        return dataclasses.replace(x, compute_dtype=dtype) if isinstance(x, BlockRows) else x
+
+    weights = jax.tree_util.tree_map(computed_in_target, weights, is_leaf=lambda x: isinstance(x, BlockRows))
     return _convert_tied_once(weights, chosen, cast)
 
 

@@ -82,17 +82,21 @@ class Q8Rows:
         return Q8Rows.from_file_order(quants[index], scales[index])
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks"], meta_fields=["qtype", "n_in"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks"],
+                   meta_fields=["qtype", "n_in", "compute_dtype"])
 @dataclass(frozen=True)
 class BlockRows:
     """A matmul weight [..., n_in, n_out] (or an embedding table [V, E]: n_out = V rows of n_in = E) kept as its
     file's ggml blocks, one row of bytes per output (GGUF's order), for the CPU block product
-    (`cpu_matmul.block_rows_matmul`) or, elsewhere, dequantized inside the step (`quant_blocks.dequantize`). Leading
-    dimensions are MoE experts. shape and dtype are those of the dequantized [..., n_in, n_out] float32 weight."""
+    (`cpu_matmul.block_rows_matmul`) or, elsewhere (accelerators; types the CPU kernels lack), dequantized inside
+    the step (`quant_blocks.dequantize`) and rounded to compute_dtype, the dtype the backend multiplies its float
+    weights in (`precision.cast_matmul_weights`): the values a float copy made at load would hold. Leading
+    dimensions are MoE experts. shape and dtype are those of the dequantized [..., n_in, n_out] weight."""
 
     blocks: jax.Array  # [..., n_out, row_bytes] uint8
     qtype: int  # ggml type (gguf.GGMLQuantizationType)
     n_in: int
+    compute_dtype: str = "float32"  # "float32" | "bfloat16"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,7 +104,7 @@ class BlockRows:
 
     @property
     def dtype(self):
-        return np.dtype(np.float32)
+        return np.dtype(self.compute_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -108,19 +112,21 @@ class BlockRows:
 
     def __getitem__(self, expert) -> "BlockRows":
         """One expert's weight (a leading index)."""
-        return BlockRows(self.blocks[expert], self.qtype, self.n_in)
+        return dataclasses.replace(self, blocks=self.blocks[expert])
 
     def outputs(self, index) -> "BlockRows":
         """The weight restricted to the outputs `index` selects (a slice or an index array)."""
-        return BlockRows(self.blocks[..., index, :], self.qtype, self.n_in)
+        return dataclasses.replace(self, blocks=self.blocks[..., index, :])
 
     def rows(self, index: jax.Array) -> jax.Array:
-        """Rows `index` [...] dequantized, [..., n_in] float32: an embedding table's lookup."""
-        return quant_blocks.dequantize_rows(self.blocks, self.qtype, index)
+        """Rows `index` [...] dequantized, [..., n_in] float32 (holding compute_dtype's values): an embedding
+        table's lookup."""
+        rows = quant_blocks.dequantize_rows(self.blocks, self.qtype, index)
+        return rows if self.compute_dtype == "float32" else rows.astype(self.compute_dtype).astype(jnp.float32)
 
     def dequantized(self) -> jax.Array:
-        """The float32 weight [..., n_in, n_out]."""
-        return jnp.swapaxes(quant_blocks.dequantize(self.blocks, self.qtype), -1, -2)
+        """The weight [..., n_in, n_out] in compute_dtype."""
+        return jnp.swapaxes(quant_blocks.dequantize(self.blocks, self.qtype), -1, -2).astype(self.compute_dtype)
 
 
 MatmulWeight = Union[jax.Array, Transposed, Q8Rows, BlockRows]
@@ -153,7 +159,7 @@ def _form(w) -> tuple | None:
     if isinstance(w, Q8Rows):
         return ("q8_0", w.quants.shape[1])
     if isinstance(w, BlockRows):
-        return ("blocks", w.qtype, w.n_in) if w.blocks.ndim == 2 else None
+        return ("blocks", w.qtype, w.n_in, w.compute_dtype) if w.blocks.ndim == 2 else None
     if isinstance(w, Transposed):
         return ("transposed", w.t.dtype, w.t.shape[1])
     if isinstance(w, (np.ndarray, jax.Array)) and w.ndim == 2:
@@ -169,7 +175,7 @@ def fuse(ws: Sequence[MatmulWeight]) -> Fused:
         w = Q8Rows.from_file_order(np.concatenate([np.asarray(q) for q, _ in parts]),
                                    np.concatenate([np.asarray(s) for _, s in parts]))
     elif isinstance(first, BlockRows):
-        w = BlockRows(np.concatenate([np.asarray(x.blocks) for x in ws]), first.qtype, first.n_in)
+        w = dataclasses.replace(first, blocks=np.concatenate([np.asarray(x.blocks) for x in ws]))
     elif isinstance(first, Transposed):
         w = Transposed(np.concatenate([np.asarray(x.t) for x in ws]))
     else:
