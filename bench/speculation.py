@@ -19,6 +19,13 @@ probability 1 - A), for a known acceptance rate on models whose own drafters hav
 `--max-seqs` below the streams measures an overloaded engine: the requests beyond its rows wait for one.
 
     gdnspec bench speculation --streams 16,32 --max-seqs 16 --drafters plain --out bench/results/overload.json
+
+The matrix that says whether asking for drafters ever costs a user (every cell should be at least 0.95x plain):
+`--plot` draws it as a heat map of each cell's paired ratio, drafter sets by stream counts. A set that names
+`draft_model` loads `--draft-model` (default: the bundled draft model, which shares the bundled target's vocabulary).
+
+    gdnspec bench speculation --streams 1,4,16,32 --drafters "plain;ngram;mtp;mtp,ngram;draft_model" \
+        --out bench/results/speculation-matrix-cpu.json --plot bench/results/speculation-matrix-cpu.png
 """
 
 from __future__ import annotations
@@ -32,9 +39,11 @@ import time
 import anyio
 import jax
 
+from drafters.draft_model import check_same_vocab
 from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
+from jaxmodel.assets import default_draft_path
 from jaxmodel.state import KV_DTYPES
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, Replicas, TokensEvent
@@ -86,6 +95,11 @@ async def _run(engine: Engine | Replicas, requests: list[GenerationRequest], str
 def run(args) -> dict:
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
+    draft = None
+    if any("draft_model" in p.split(",") for p in args.drafters.split(";")):
+        draft_path = args.draft_model or str(default_draft_path())
+        check_same_vocab(args.model, draft_path)
+        draft = load_model(draft_path, load_mtp=False)
     prompts = [tuple(tokenizer.encode(p)) for p in load_prompt_set(args.prompts)]
     streams = [int(s) for s in args.streams.split(",")]
     max_seqs = args.max_seqs or max(streams)
@@ -99,13 +113,14 @@ def run(args) -> dict:
            "max_tokens": args.max_tokens, "max_model_len": args.max_model_len, "n_max": args.n_max,
            "p_min": args.p_min, "adaptive": not args.fixed_policy, "iterations": args.iterations, "draft_vocab": args.draft_vocab, "repeats": args.repeats, "synthetic_alpha": args.synthetic_alpha,
            "kv_dtype": args.kv_dtype, "replicas": args.replicas, "max_seqs": max_seqs,
-           "cells": []}  # fmt: skip
+           "draft_model": None if draft is None else os.path.basename(draft.path), "cells": []}  # fmt: skip
 
     async def main():
         engine_args = dict(tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20), max_running=max_seqs,
                            max_model_len=args.max_model_len, n_max=args.n_max, adaptive=not args.fixed_policy,
                            iterations=args.iterations, draft_vocab=args.draft_vocab,
-                           extra_drafters=[synthetic] if synthetic else [], kv_dtype=args.kv_dtype)  # fmt: skip
+                           extra_drafters=[synthetic] if synthetic else [], kv_dtype=args.kv_dtype,
+                           draft_model=draft)  # fmt: skip
         engine = (Replicas.build(model, args.replicas, **engine_args) if args.replicas > 1
                   else Engine(model, **engine_args))
         start = time.perf_counter()
@@ -164,7 +179,42 @@ def run(args) -> dict:
                 cell["vs_plain"] = cell["tokens_per_s"] / base[cell["streams"]]
 
     anyio.run(main)
+    if args.plot:
+        plot(out, args.plot)
     return out
+
+
+def plot(results: dict, path: str) -> None:
+    """A heat map of the paired ratio to plain per (drafter set, rollback mode) and stream count: red below 1
+    (asking for drafters cost the user), blue above, each cell annotated with its ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cells = [c for c in results["cells"] if c["drafters"] != ["plain"] and "vs_plain_paired" in c]
+    rows = list(dict.fromkeys((",".join(c["drafters"]), c["rollback"]) for c in cells))
+    streams = sorted({c["streams"] for c in cells})
+    ratio = np.full((len(rows), len(streams)), np.nan)
+    for c in cells:
+        ratio[rows.index((",".join(c["drafters"]), c["rollback"])), streams.index(c["streams"])] = c["vs_plain_paired"]
+    spread = max(0.25, float(np.nanmax(np.abs(np.log2(ratio))))) if cells else 1.0
+    fig, ax = plt.subplots(figsize=(max(1.3 * len(streams) + 2.5, 6), 0.5 * len(rows) + 1.8))
+    ax.imshow(np.log2(ratio), cmap="RdBu", vmin=-spread, vmax=spread, aspect="auto")
+    for i in range(len(rows)):
+        for j in range(len(streams)):
+            if not np.isnan(ratio[i, j]):
+                dark = abs(np.log2(ratio[i, j])) > 0.6 * spread
+                ax.text(j, i, f"{ratio[i, j]:.2f}x", ha="center", va="center", fontsize="small",
+                        color="white" if dark else "black")
+    ax.set_xticks(range(len(streams)), [str(s) for s in streams])
+    ax.set_yticks(range(len(rows)), [d if m == "auto" else f"{d} ({m})" for d, m in rows])
+    ax.set_xlabel("concurrent streams")
+    ax.set_title(f"{results['model']}\ntokens/s against plain (paired median of {results['repeats']} rounds)",
+                 fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -204,6 +254,9 @@ def main(argv=None) -> dict:
                         help="draft probability below which a chain stops (the request's p_min)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="engines serving side by side, each with its share of the rows and the budget")
+    parser.add_argument("--draft-model", default=None,
+                        help="the draft model of a drafter set naming draft_model (default: the bundled one)")
+    parser.add_argument("--plot", default=None, help="write a heat map of the cells' ratios to plain here (PNG)")
     parser.add_argument("--max-seqs", type=int, default=None,
                         help="sequences running at once (default: the most streams); fewer than the streams: the "
                         "others wait for a row")
