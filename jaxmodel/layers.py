@@ -150,7 +150,7 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
             return y if bias is None else y + bias
         if isinstance(w, BlockRows):
             y = block_rows_matmul_prologue(x.prologue, x.x.reshape(m, -1), w.blocks, w.qtype, live_rows, x.weight,
-                                           gate, x.eps).reshape(*lead, w.shape[1])
+                                           gate, x.eps, w.row_group).reshape(*lead, w.shape[1])
             return y if bias is None else y + bias
         x = x.value()
     x = as_matmul_input(x, w)
@@ -167,7 +167,7 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     if form == "q8_0":
         y = q8_rows_matmul(x.reshape(m, n_in), w.quants, w.scales, live_rows).reshape(*lead, n_out)
     elif form == "blocks":
-        y = block_rows_matmul(x.reshape(m, n_in), w.blocks, w.qtype, live_rows).reshape(*lead, n_out)
+        y = block_rows_matmul(x.reshape(m, n_in), w.blocks, w.qtype, live_rows, w.row_group).reshape(*lead, n_out)
     elif form == "transposed":
         y = rows_matmul(x.reshape(m, n_in), w.t, live_rows).reshape(*lead, n_out)
     elif form == "dot":

@@ -24,7 +24,7 @@ from .host_memory import THREAD_HEAP_BYTES, release_freed_memory, retain_freed_m
 from .layers import linear, paged_attention, rms_norm, rms_normed, write_kv
 from .moe import ffn
 from .kernels import cpu_matmul
-from .precision import cast_matmul_weights, default_weight_dtype, transpose_matmul_weights
+from .precision import cast_matmul_weights, default_weight_dtype, group_block_rows, transpose_matmul_weights
 from .state import (
     ModelState, Row, StepBatch, StepOutput, bucket, bytes_per_plane, init_state, pack_batch, scatter_planes,
 )  # fmt: skip
@@ -275,10 +275,14 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     # peak stays within a layer of the weights' own bytes (float files keep the order of the steps below).
     reader = open_gguf(str(path))  # opened once: parsing the header is most of a small file's load
     blocks_file = bool(keep_blocks) and any(t.tensor_type in keep_blocks for t in reader.tensors)
-    finish_layer = (lambda layer: to_device(fuse_layer(layer) if fuse else layer)) if blocks_file else None
+    # Q4_0 weights the block kernels multiply go in row groups (`precision.group_block_rows`), a layer at a time.
+    grouped = group_block_rows if use_kernels and cpu_matmul.block_kernels() else (lambda tree, tables=(): tree)
+    finish_layer = ((lambda layer: to_device(grouped(fuse_layer(layer) if fuse else layer)))
+                    if blocks_file else None)  # fmt: skip
     cfg, weights, _ = read_gguf(path, load_mtp=load_mtp, keep_f16=keep_f16,
                                 keep_q8_0=use_kernels and weight_dtype == "float32", keep_blocks=keep_blocks,
                                 finish_layer=finish_layer, reader=reader)
+    weights = grouped(weights, tables=(weights.embed, weights.mtp and weights.mtp.embed))
     # A verify step's temporaries hold about one GDN plane per fed token; where 4 tokens' outgrow a thread's heap,
     # only the main arena keeps them for the next step (jaxmodel.host_memory).
     retain_freed_memory(single_arena=4 * bytes_per_plane(cfg) > THREAD_HEAP_BYTES)

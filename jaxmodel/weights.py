@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import quant_blocks
-from .kernels.cpu_matmul import Q8_ROW_GROUP, file_order_q8_rows, interleave_q8_rows
+from .kernels.cpu_matmul import (BLOCK_ROW_GROUP, Q8_ROW_GROUP, file_order_block_rows, file_order_q8_rows,
+                                 interleave_block_rows, interleave_q8_rows)
 
 
 def pytree(cls):
@@ -83,7 +84,7 @@ class Q8Rows:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks"],
-                   meta_fields=["qtype", "n_in", "compute_dtype"])
+                   meta_fields=["qtype", "n_in", "compute_dtype", "row_group"])
 @dataclass(frozen=True)
 class BlockRows:
     """A matmul weight [..., n_in, n_out] (or an embedding table [V, E]: n_out = V rows of n_in = E) kept as its
@@ -91,12 +92,16 @@ class BlockRows:
     (`cpu_matmul.block_rows_matmul`) or, elsewhere (accelerators; types the CPU kernels lack), dequantized inside
     the step (`quant_blocks.dequantize`) and rounded to compute_dtype, the dtype the backend multiplies its float
     weights in (`precision.cast_matmul_weights`): the values a float copy made at load would hold. Leading
-    dimensions are MoE experts. shape and dtype are those of the dequantized [..., n_in, n_out] weight."""
+    dimensions are MoE experts. shape and dtype are those of the dequantized [..., n_in, n_out] weight.
+
+    row_group 8 (2-D Q4_0 weights on CPU, `precision.group_block_rows`): the rows' bytes in groups of eight, in
+    the order of the CPU product over row groups (`cpu_matmul.interleave_block_rows`; `file_order` undoes it)."""
 
     blocks: jax.Array  # [..., n_out, row_bytes] uint8
     qtype: int  # ggml type (gguf.GGMLQuantizationType)
     n_in: int
     compute_dtype: str = "float32"  # "float32" | "bfloat16"
+    row_group: int = 1  # 1: the file's order
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -114,19 +119,41 @@ class BlockRows:
         """One expert's weight (a leading index)."""
         return dataclasses.replace(self, blocks=self.blocks[expert])
 
+    def file_order(self) -> "BlockRows":
+        """The weight with its rows in the file's order."""
+        if self.row_group == 1:
+            return self
+        return dataclasses.replace(self, blocks=file_order_block_rows(self.blocks, self.qtype), row_group=1)
+
+    def grouped(self) -> "BlockRows":
+        """The weight with its rows in groups for the CPU product over row groups (a 2-D Q4_0 weight)."""
+        if self.row_group != 1:
+            return self
+        return dataclasses.replace(self, blocks=interleave_block_rows(self.blocks, self.qtype),
+                                   row_group=BLOCK_ROW_GROUP)
+
     def outputs(self, index) -> "BlockRows":
-        """The weight restricted to the outputs `index` selects (a slice or an index array)."""
+        """The weight restricted to the outputs `index` selects (a slice or an index array). In row groups, a
+        prefix of whole groups is a prefix of the rows; anything else goes through the file's order."""
+        if self.row_group != 1:
+            n_out = self.blocks.shape[0]
+            if isinstance(index, slice) and index.step in (None, 1) and index.start in (None, 0):
+                stop = n_out if index.stop is None else min(index.stop, n_out)
+                if stop == n_out or stop % self.row_group == 0:
+                    return dataclasses.replace(self, blocks=self.blocks[:stop])
+            return self.file_order().outputs(index).grouped()
         return dataclasses.replace(self, blocks=self.blocks[..., index, :])
 
     def rows(self, index: jax.Array) -> jax.Array:
         """Rows `index` [...] dequantized, [..., n_in] float32 (holding compute_dtype's values): an embedding
         table's lookup."""
-        rows = quant_blocks.dequantize_rows(self.blocks, self.qtype, index)
+        rows = quant_blocks.dequantize_rows(self.file_order().blocks, self.qtype, index)
         return rows if self.compute_dtype == "float32" else rows.astype(self.compute_dtype).astype(jnp.float32)
 
     def dequantized(self) -> jax.Array:
         """The weight [..., n_in, n_out] in compute_dtype."""
-        return jnp.swapaxes(quant_blocks.dequantize(self.blocks, self.qtype), -1, -2).astype(self.compute_dtype)
+        blocks = self.file_order().blocks
+        return jnp.swapaxes(quant_blocks.dequantize(blocks, self.qtype), -1, -2).astype(self.compute_dtype)
 
 
 MatmulWeight = Union[jax.Array, Transposed, Q8Rows, BlockRows]
@@ -159,7 +186,7 @@ def _form(w) -> tuple | None:
     if isinstance(w, Q8Rows):
         return ("q8_0", w.quants.shape[1])
     if isinstance(w, BlockRows):
-        return ("blocks", w.qtype, w.n_in, w.compute_dtype) if w.blocks.ndim == 2 else None
+        return ("blocks", w.qtype, w.n_in, w.compute_dtype, w.row_group) if w.blocks.ndim == 2 else None
     if isinstance(w, Transposed):
         return ("transposed", w.t.dtype, w.t.shape[1])
     if isinstance(w, (np.ndarray, jax.Array)) and w.ndim == 2:
@@ -175,7 +202,9 @@ def fuse(ws: Sequence[MatmulWeight]) -> Fused:
         w = Q8Rows.from_file_order(np.concatenate([np.asarray(q) for q, _ in parts]),
                                    np.concatenate([np.asarray(s) for _, s in parts]))
     elif isinstance(first, BlockRows):
-        w = dataclasses.replace(first, blocks=np.concatenate([np.asarray(x.blocks) for x in ws]))
+        w = dataclasses.replace(first.file_order(),
+                                blocks=np.concatenate([np.asarray(x.file_order().blocks) for x in ws]))
+        w = w if first.row_group == 1 else w.grouped()
     elif isinstance(first, Transposed):
         w = Transposed(np.concatenate([np.asarray(x.t) for x in ws]))
     else:

@@ -1,7 +1,7 @@
 """The block product (`cpu_matmul.block_rows_matmul`): weights kept as their file's ggml blocks (Q4_0, Q5_0, Q8_0,
-Q4_K, Q5_K, Q6_K, IQ4_XS) times x quantized as llama.cpp quantizes it for the type, against the plain reference
-(the weight dequantized as gguf does, x quantized and back, one float32 product), row by row alike whatever the
-batch, with its prologues, and its refusals."""
+Q4_K, Q5_K, Q6_K, IQ4_XS; Q4_0 also in row groups) times x quantized as llama.cpp quantizes it for the type,
+against the plain reference (the weight dequantized as gguf does, x quantized and back, one float32 product), row by
+row alike whatever the batch, with its prologues, and its refusals."""
 
 from __future__ import annotations
 
@@ -59,6 +59,49 @@ def test_block_product_of_an_odd_number_of_blocks(qtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+def test_row_groups_order_as_documented():
+    """interleave_block_rows' example: two rows a, b of one Q4_0 block give da db a[0:4] b[0:4] ... a[12:16]
+    b[12:16]; a last group of fewer rows keeps the same order over its own rows; file_order_block_rows undoes it
+    (numpy and jax arrays alike)."""
+    a, b = np.arange(18, dtype=np.uint8), np.arange(100, 118, dtype=np.uint8)
+    grouped = cpu_matmul.interleave_block_rows(np.stack([a, b]), int(QT.Q4_0)).reshape(-1)
+    quads = [np.concatenate([a[2 + 4 * q : 6 + 4 * q], b[2 + 4 * q : 6 + 4 * q]]) for q in range(4)]
+    np.testing.assert_array_equal(grouped, np.concatenate([a[:2], b[:2], *quads]))
+    blocks = random_blocks(np.random.default_rng(5), QT.Q4_0, (21, 96))  # two groups of 8 and one of 5
+    for xp in (np, jnp):
+        there = cpu_matmul.interleave_block_rows(xp.asarray(blocks), int(QT.Q4_0))
+        assert not np.array_equal(np.asarray(there), blocks)
+        np.testing.assert_array_equal(np.asarray(cpu_matmul.file_order_block_rows(there, int(QT.Q4_0))), blocks)
+    with pytest.raises(ValueError, match="only Q4_0"):
+        cpu_matmul.interleave_block_rows(random_blocks(np.random.default_rng(5), QT.Q4_K, (8, 256)), int(QT.Q4_K))
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K", [(44, 512), (3, 160), (16, 32)])
+def test_q4_0_in_row_groups_matches_its_reference_for_every_batch(N, K):
+    """Q4_0 in row groups (`interleave_block_rows`): each block's products summed as one integer and scaled once,
+    against the reference; a row alone gives the same bits as beside others; the rows of a last group of fewer than
+    eight (summed one output at a time) give the same bits as in a whole group."""
+    blocks = random_blocks(np.random.default_rng(0), QT.Q4_0, (N, K))
+    w = jnp.asarray(cpu_matmul.interleave_block_rows(blocks, int(QT.Q4_0)))
+    x = _x(5, K)
+    live = jnp.asarray([1, 1, 0, 1, 1], jnp.int32)
+    product = jax.jit(cpu_matmul.block_rows_matmul, static_argnums=(2, 4))
+    got = np.asarray(product(x, w, int(QT.Q4_0), live, cpu_matmul.BLOCK_ROW_GROUP))
+    want = np.asarray(cpu_matmul.block_rows_matmul_reference(x, w, int(QT.Q4_0), live, cpu_matmul.BLOCK_ROW_GROUP))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert np.all(got[2] == 0)
+    for m in (0, 1, 3, 4):
+        alone = np.asarray(product(x[m : m + 1], w, int(QT.Q4_0), None, cpu_matmul.BLOCK_ROW_GROUP))
+        np.testing.assert_array_equal(alone[0], got[m])
+    tail = N % 8
+    if tail:  # the last rows again, completed to a whole group by copies of its first row
+        padded = np.concatenate([blocks[N - tail :], np.repeat(blocks[N - tail : N - tail + 1], 8 - tail, axis=0)])
+        whole = jnp.asarray(cpu_matmul.interleave_block_rows(padded, int(QT.Q4_0)))
+        again = np.asarray(product(x, whole, int(QT.Q4_0), live, cpu_matmul.BLOCK_ROW_GROUP))
+        np.testing.assert_array_equal(again[:, :tail], got[:, N - tail :])
+
+
 @needs_kernel
 def test_block_product_against_gguf_dequantize_on_quantized_normals():
     # A Q8_0 weight as gguf's quantizer writes it: the product is the dequantized weight's, to float32 rounding.
@@ -74,18 +117,21 @@ def test_block_product_against_gguf_dequantize_on_quantized_normals():
 
 
 @needs_kernel
+@pytest.mark.parametrize("row_group", [1, 8], ids=["Q4_K", "Q4_0-groups"])
 @pytest.mark.parametrize("prologue", ["rms_norm", "swiglu", "gated_rms_norm"])
-def test_block_product_prologues(prologue):
-    qtype, K, G = QT.Q4_K, 256, 64
-    w = jnp.asarray(random_blocks(np.random.default_rng(0), qtype, (16, K)))
+def test_block_product_prologues(prologue, row_group):
+    qtype, K, G = (QT.Q4_K, 256, 64) if row_group == 1 else (QT.Q4_0, 256, 64)
+    w = random_blocks(np.random.default_rng(0), qtype, (16, K))
+    w = jnp.asarray(w if row_group == 1 else cpu_matmul.interleave_block_rows(w, int(qtype)))
     rng = np.random.default_rng(2)
     f32 = lambda *s: jnp.asarray(rng.standard_normal(s) * 2, jnp.float32)  # noqa: E731
     x = f32(3, 2 * K) if prologue == "swiglu" else f32(3, K)
     weight = None if prologue == "swiglu" else f32(G if prologue == "gated_rms_norm" else K)
     gate = f32(3, K) if prologue == "gated_rms_norm" else None
-    got = np.asarray(cpu_matmul.block_rows_matmul_prologue(prologue, x, w, int(qtype), None, weight, gate, EPS))
+    got = np.asarray(cpu_matmul.block_rows_matmul_prologue(prologue, x, w, int(qtype), None, weight, gate, EPS,
+                                                           row_group))
     value = cpu_matmul.prologue_reference(prologue, x, weight, gate, EPS)
-    want = np.asarray(cpu_matmul.block_rows_matmul_reference(value, w, int(qtype)))
+    want = np.asarray(cpu_matmul.block_rows_matmul_reference(value, w, int(qtype), None, row_group))
     # The prologue's last bits may differ from jnp's, which can move a quantized value by one step.
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
@@ -100,6 +146,8 @@ def test_block_product_refuses_bad_operands():
         cpu_matmul.block_rows_matmul(x, w[:, :100], int(QT.Q4_K))
     with pytest.raises(ValueError, match="Q4_K"):
         cpu_matmul.block_rows_matmul(jnp.ones((1, 200), jnp.float32), w, int(QT.Q4_K))
+    with pytest.raises(ValueError, match="in row groups of 8"):
+        cpu_matmul.block_rows_matmul(x, w, int(QT.Q4_K), None, 8)
 
 
 def test_q8_K_activations_as_llama_cpp():
@@ -117,7 +165,7 @@ def test_the_256_bit_forms_where_the_cpu_has_avx512(tmp_path):
     # A CPU without AVX-512 runs the 256-bit forms: the tests above again, on the library built with only those.
     env = {**os.environ, "GDNSPEC_CPU_BLOCKS": "avx2"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", __file__, "-k",
-                           "matches_its_reference or odd_number or prologues or reads_past or isa"], env=env, capture_output=True, text=True,
+                           "matches_its_reference or odd_number or prologues or reads_past or isa or row_groups"], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-2000:]

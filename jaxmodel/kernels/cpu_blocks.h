@@ -50,6 +50,9 @@ struct alignas(64) Lanes {
 // ggml's type numbers (GGMLQuantizationType).
 enum Type : int32_t { kQ4_0 = 2, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_XS = 23 };
 
+// Weight rows interleaved by the Q4_0 product over row groups (`interleave_block_rows` in cpu_matmul.py).
+constexpr int64_t kRowGroup = 8;
+
 // Activations, as llama.cpp quantizes them: Q8_0 (32 int8 and an f16 scale, here held as the float it rounds to)
 // and Q8_K (256 int8, a float scale, and the sums of each 16 quants).
 struct ActQ8_0 {
@@ -69,6 +72,14 @@ struct alignas(64) ActQ8_KS {
   int8_t qs[256];
   float scaled_sums[16];
   float d;
+};
+
+// Q8_0 and -8 times the sum of its quants: what the Q4_0 product over rows in groups of eight reads (its weights
+// are the nibbles, q + 8, as unsigned bytes; the offset starts each block's integer sums).
+struct ActQ8_0Sum {
+  float d;
+  int32_t offset;
+  int8_t qs[32];
 };
 
 // Q8_0 as the 512-bit Q4_0 / Q5_0 products read it, two blocks to a record (a row of an odd number of blocks ends in

@@ -619,6 +619,143 @@ void block_columns(const uint8_t* w, const typename Format::Act* x, float* const
   }
 }
 
+// ---------------------------------------------------------------------------------------------- Q4_0 row groups
+//
+// Q4_0 weights as `interleave_block_rows` (cpu_matmul.py) stores them at load: rows in groups of eight (the last may
+// hold fewer, g), each group block after block, a block being 18 g bytes: the g rows' f16 scales, then for
+// q = 0..3 bytes 4q..4q+3 of each row's 16 bytes of nibbles in turn. One 32-byte load of quad q holds, in its low
+// nibbles, weights 4q..4q+3 of each of eight rows and, in its high nibbles, weights 16+4q..16+4q+3: as in the Q8_0
+// layout, one integer product of such a vector with four bytes of x broadcast adds to eight lanes, one per weight
+// row, so a block's whole product ends in one lane, then one conversion and one FMA serve eight outputs. The
+// per-row form of Q4_0 (cpu_blocks.h) keeps eight or sixteen lanes per output and converts and scales them all for
+// every row of x, which bounds a 4-token verify by instructions rather than by memory.
+//
+// Each output: acc = fma(d_w * d_x, float(dot_b), acc) block after block, dot_b = sum(nibble * x_q) - 8 sum(x_q)
+// exact, whatever M, the tile and the instructions (VNNI's `vpdpbusd`, or `maddubs` and `madd`).
+
+struct Q4_0Rows {
+  using Act = blk::ActQ8_0Sum;
+  static constexpr int64_t kBytes = 18, kBlock = 32;
+};
+
+inline void quantize_act(const float* x, int64_t K, blk::ActQ8_0Sum* y) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    quantize_rows_q8_0(x + 32 * b, 1, 32, y[b].qs, &y[b].d);
+    x_block_offsets(y[b].qs, 1, &y[b].offset, 8);
+  }
+}
+
+// acc + the sums of four products of unsigned bytes u (0-15 here) and signed bytes s, per int32 lane.
+inline __m256i dot_nibbles(__m256i acc, __m256i u, __m256i s) {
+#if GDNSPEC_VNNI && !defined(GDNSPEC_BLOCKS_AVX2_ONLY)
+  return dot_bytes(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Outputs [n, n + 8 NG) of MR rows of x (x[m]: row m's records): NG whole groups, the weight loaded and unpacked
+// once for the MR rows.
+template <int MR, int NG>
+void q4_0_groups(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const* out, int64_t nb, int64_t n) {
+  constexpr int64_t kGroupBlock = blk::kRowGroup * Q4_0Rows::kBytes;
+  const __m256i low4 = _mm256_set1_epi8(0xF);
+  __m256 acc[MR][NG];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NG; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* group[NG];
+    __m256 dw[NG];
+    for (int j = 0; j < NG; ++j) {
+      group[j] = w + (n + blk::kRowGroup * j) * nb * Q4_0Rows::kBytes + b * kGroupBlock;
+      dw[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)group[j]));
+    }
+    // Lane r: block b's integer product of weight row 8j + r and row m of x, its first and last 16 weights'
+    // products in two chains.
+    __m256i dot[MR][NG], dot_high[MR][NG];
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < NG; ++j) {
+        dot[m][j] = _mm256_set1_epi32(x[m][b].offset);
+        dot_high[m][j] = _mm256_setzero_si256();
+      }
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      __m256i low[NG], high[NG];
+      for (int j = 0; j < NG; ++j) {
+        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(group[j] + 16 + 32 * q));
+        low[j] = _mm256_and_si256(bytes, low4);
+        high[j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t first, second;
+        std::memcpy(&first, x[m][b].qs + 4 * q, 4);
+        std::memcpy(&second, x[m][b].qs + 16 + 4 * q, 4);
+        const __m256i x_first = _mm256_set1_epi32(first), x_second = _mm256_set1_epi32(second);
+        for (int j = 0; j < NG; ++j) {
+          dot[m][j] = dot_nibbles(dot[m][j], low[j], x_first);
+          dot_high[m][j] = dot_nibbles(dot_high[m][j], high[j], x_second);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dx = _mm256_set1_ps(x[m][b].d);
+      for (int j = 0; j < NG; ++j)
+        acc[m][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx),
+                                    _mm256_cvtepi32_ps(_mm256_add_epi32(dot[m][j], dot_high[m][j])), acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NG; ++j) _mm256_storeu_ps(out[m] + n + blk::kRowGroup * j, acc[m][j]);
+}
+
+// Outputs [first, first + g) of MR rows of x, one at a time in the kernel's order: a last group of g < 8 rows.
+template <int MR>
+void q4_0_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const* out, int64_t nb,
+                             int64_t first, int64_t g) {
+  for (int64_t r = 0; r < g; ++r)
+    for (int m = 0; m < MR; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = w + first * nb * Q4_0Rows::kBytes + b * g * Q4_0Rows::kBytes;
+        int32_t dot = x[m][b].offset;
+        for (int k = 0; k < 32; ++k) {
+          const uint8_t byte = block[2 * g + (k % 16 / 4) * 4 * g + 4 * r + k % 4];
+          dot += int32_t(k < 16 ? byte & 0xF : byte >> 4) * int32_t(x[m][b].qs[k]);
+        }
+        acc = std::fma(blk::half(block + 2 * r) * x[m][b].d, float(dot), acc);
+      }
+      out[m][first + r] = acc;
+    }
+}
+
+template <int MR, int NG>
+void q4_0_row_block(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const* out, int64_t nb, int64_t n0,
+                    int64_t n1) {
+  int64_t n = n0;
+  const int64_t whole = n0 + (n1 - n0) / blk::kRowGroup * blk::kRowGroup;
+  for (; n + NG * blk::kRowGroup <= whole; n += NG * blk::kRowGroup) q4_0_groups<MR, NG>(w, x, out, nb, n);
+  for (; n < whole; n += blk::kRowGroup) q4_0_groups<MR, 1>(w, x, out, nb, n);
+  for (; n < n1; n += blk::kRowGroup) q4_0_outputs_one_by_one<MR>(w, x, out, nb, n, std::min(blk::kRowGroup, n1 - n));
+}
+
+// As block_columns, for Q4_0 in row groups: [n0, n1) starts at a group's start (over_columns' chunks are whole
+// groups), and only the last chunk ends in a group of fewer rows.
+void q4_0_group_columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const* out, int64_t L, int64_t nb,
+                        int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
+    const blk::ActQ8_0Sum* rows[kRowBlock];
+    const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
+    for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * nb;
+    float* const* om = out + m0;
+    switch (mr) {
+      case 1: q4_0_row_block<1, 1>(w, rows, om, nb, n0, n1); break;
+      case 2: q4_0_row_block<2, 1>(w, rows, om, nb, n0, n1); break;
+      case 3: q4_0_row_block<3, 1>(w, rows, om, nb, n0, n1); break;
+      default: q4_0_row_block<4, 1>(w, rows, om, nb, n0, n1); break;
+    }
+  }
+}
+
 // As q8_product, for a block format.
 template <typename Format, typename Input>
 ffi::Error block_product(ffi::ThreadPool& pool, const int32_t* live, int64_t M, int64_t K, const uint8_t* w,
@@ -641,8 +778,12 @@ ffi::Error block_product(ffi::ThreadPool& pool, const int32_t* live, int64_t M, 
   }
   const Act* ap = xa.data();
   float* const* op = rows.out.data();
-  over_columns(pool, N, L * N * K, kQ8MinParallelWork,
-               [=](int64_t n0, int64_t n1) { block_columns<Format>(w, ap, op, L, nb, n0, n1); });
+  over_columns(pool, N, L * N * K, kQ8MinParallelWork, [=](int64_t n0, int64_t n1) {
+    if constexpr (std::is_same_v<Format, Q4_0Rows>)
+      q4_0_group_columns(w, ap, op, L, nb, n0, n1);
+    else
+      block_columns<Format>(w, ap, op, L, nb, n0, n1);
+  });
   return ffi::Error::Success();
 }
 #endif
@@ -652,10 +793,17 @@ struct Tag {
   using type = T;
 };
 
-// run(Tag<Format>{}) for ggml type `type`; an error naming it where this build has no product for it.
+// run(Tag<Format>{}) for ggml type `type` with its rows in groups of `row_group` (1: the file's order); an error
+// naming them where this build has no product for them.
 template <typename Run>
-ffi::Error with_format(const char* name, int32_t type, const Run& run) {
+ffi::Error with_format(const char* name, int32_t type, int32_t row_group, const Run& run) {
 #if GDNSPEC_BLOCKS
+  if (row_group != 1) {
+    if (row_group == blk::kRowGroup && type == blk::kQ4_0) return run(Tag<Q4_0Rows>{});
+    return ffi::Error::InvalidArgument(std::string(name) + ": no product for ggml type " + std::to_string(type) +
+                                       " in row groups of " + std::to_string(row_group) + " (only Q4_0 in groups of " +
+                                       std::to_string(blk::kRowGroup) + ")");
+  }
   switch (type) {
     case blk::kQ4_0: return run(Tag<blk::Q4_0>{});
     case blk::kQ5_0: return run(Tag<blk::Q5_0>{});
@@ -685,13 +833,14 @@ ffi::Error block_shapes(const char* name, ffi::Span<const int64_t> ws, int64_t K
 }
 
 ffi::Error BlockRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                           ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out, int32_t type) {
+                           ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> out, int32_t type,
+                           int32_t row_group) {
   const auto xs = x.dimensions();
   if (xs.size() != 2) return ffi::Error::InvalidArgument("block_rows_matmul: x must be [M, K]");
   const int64_t M = xs[0], K = xs[1];
   if (live.element_count() != M) return ffi::Error::InvalidArgument("block_rows_matmul: live is [M]");
   const float* xp = x.typed_data();
-  return with_format("block_rows_matmul", type, [&](auto tag) {
+  return with_format("block_rows_matmul", type, row_group, [&](auto tag) {
     using Format = typename decltype(tag)::type;
     if (auto error = block_shapes<Format>("block_rows_matmul", w.dimensions(), K); error.failure()) return error;
 #if GDNSPEC_BLOCKS
@@ -706,12 +855,12 @@ ffi::Error BlockRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
 ffi::Error BlockRowsMatmulPrologue(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                                    ffi::Buffer<ffi::S32> live, ffi::Buffer<ffi::F32> weight,
                                    ffi::Buffer<ffi::F32> gate, ffi::ResultBuffer<ffi::F32> out, int32_t type,
-                                   int32_t prologue, float eps) {
+                                   int32_t row_group, int32_t prologue, float eps) {
   const auto xs = x.dimensions();
   if (xs.size() != 2) return ffi::Error::InvalidArgument("block_rows_matmul_prologue: x must be 2-D");
   const int64_t M = xs[0], K = prologue == kSwiglu ? xs[1] / 2 : xs[1];
   if (live.element_count() != M) return ffi::Error::InvalidArgument("block_rows_matmul_prologue: live is [M]");
-  return with_format("block_rows_matmul_prologue", type, [&](auto tag) {
+  return with_format("block_rows_matmul_prologue", type, row_group, [&](auto tag) {
     using Format = typename decltype(tag)::type;
     if (auto error = block_shapes<Format>("block_rows_matmul_prologue", w.dimensions(), K); error.failure())
       return error;
@@ -768,7 +917,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_q8_rows_matmul_prologue, Q8RowsMatmulProlo
                                   .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul, BlockRowsMatmul,
-                              block_binding().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("type"));
+                              block_binding().Ret<ffi::Buffer<ffi::F32>>().Attr<int32_t>("type").Attr<int32_t>(
+                                  "row_group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul_prologue, BlockRowsMatmulPrologue,
                               block_binding()
@@ -776,6 +926,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(gdnspec_block_rows_matmul_prologue, BlockRowsMatmu
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate (gated_rms_norm)
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("type")
+                                  .Attr<int32_t>("row_group")
                                   .Attr<int32_t>("prologue")
                                   .Attr<float>("eps"));
 

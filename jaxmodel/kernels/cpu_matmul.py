@@ -348,45 +348,103 @@ def q8_rows_matmul_reference(x: jax.Array, quants: jax.Array, scales: jax.Array,
     return _zero_dead_rows(jnp.sum(dots.astype(jnp.float32) * (xd[:, None, :] * scales[None, :, :]), axis=-1), live)
 
 
-def _check_blocks(name: str, K: int, blocks: jax.Array, qtype: int) -> None:
+# ggml types whose 2-D weights `load_model` stores in groups of BLOCK_ROW_GROUP rows (`interleave_block_rows`) for
+# the product over row groups (cpu_matmul.cc, "Q4_0 row groups"): Q4_0.
+ROW_GROUP_TYPES = frozenset({2})
+BLOCK_ROW_GROUP = 8
+_Q4_0_BYTES, _Q4_0_QUADS = 18, 4  # a block: f16 d, 16 bytes of nibbles (4 quads of 4)
+
+
+def _regroup_block_rows(blocks, to_kernel: bool):
+    """Q4_0 blocks [N, K / 32 * 18] between the file's order and the row groups' (`interleave_block_rows`)."""
+    xp = jnp if isinstance(blocks, jax.Array) else np
+    N, row = blocks.shape
+    nb = row // _Q4_0_BYTES
+    full = N // BLOCK_ROW_GROUP * BLOCK_ROW_GROUP
+
+    def regroup(b, g):  # b [n, row], n a multiple of g
+        groups = b.shape[0] // g
+        if to_kernel:
+            file = b.reshape(groups, g, nb, _Q4_0_BYTES)
+            scales = file[..., :2].transpose(0, 2, 1, 3).reshape(groups, nb, 2 * g)
+            quads = file[..., 2:].reshape(groups, g, nb, _Q4_0_QUADS, 4).transpose(0, 2, 3, 1, 4)
+            return xp.concatenate([scales, quads.reshape(groups, nb, 16 * g)], axis=-1).reshape(b.shape)
+        kernel = b.reshape(groups, nb, _Q4_0_BYTES * g)
+        scales = kernel[..., : 2 * g].reshape(groups, nb, g, 2).transpose(0, 2, 1, 3)
+        quads = kernel[..., 2 * g :].reshape(groups, nb, _Q4_0_QUADS, g, 4).transpose(0, 3, 1, 2, 4)
+        return xp.concatenate([scales, quads.reshape(groups, g, nb, 16)], axis=-1).reshape(b.shape)
+
+    parts = [regroup(blocks[:full], BLOCK_ROW_GROUP)] if full else []
+    if N > full:
+        parts.append(regroup(blocks[full:], N - full))
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts)
+
+
+def interleave_block_rows(blocks, qtype: int):
+    """A Q4_0 weight's blocks [N, K / 32 * 18] (uint8, numpy or jax) in the file's order -> the row groups' order:
+    rows in groups of BLOCK_ROW_GROUP = 8 (the last may hold fewer, g), each group block after block, a block's
+    18 g bytes being the g rows' f16 scales, then for quad q = 0..3 bytes 4q..4q+3 of each row's 16 bytes of nibbles
+    in turn. A 32-byte vector of quad q then holds weights 4q..4q+3 (low nibbles) and 16+4q..16+4q+3 (high nibbles)
+    of each of eight rows, one row per lane of an integer product, and the whole group streams from one place.
+
+    Example, two rows a, b (one group, g = 2) of one block: da db a[0:4] b[0:4] a[4:8] b[4:8] ... a[12:16] b[12:16]
+    (a[i]: byte i of a's nibbles, weights i and 16 + i)."""
+    if int(qtype) not in ROW_GROUP_TYPES:
+        raise ValueError(f"ggml type {qtype} has no row-group order (only Q4_0)")
+    return _regroup_block_rows(blocks, to_kernel=True)
+
+
+def file_order_block_rows(blocks, qtype: int):
+    """The inverse of `interleave_block_rows`."""
+    if int(qtype) not in ROW_GROUP_TYPES:
+        raise ValueError(f"ggml type {qtype} has no row-group order (only Q4_0)")
+    return _regroup_block_rows(blocks, to_kernel=False)
+
+
+def _check_blocks(name: str, K: int, blocks: jax.Array, qtype: int, row_group: int = 1) -> None:
     from jaxmodel.quant_blocks import FORMATS, row_bytes
 
     if int(qtype) not in BLOCK_TYPES:
         names = ", ".join(FORMATS[t].qtype.name for t in FORMATS if int(t) in BLOCK_TYPES)
         raise ValueError(f"{name}: no product for ggml type {qtype} (one of {names})")
+    if row_group != 1 and (row_group != BLOCK_ROW_GROUP or int(qtype) not in ROW_GROUP_TYPES):
+        raise ValueError(f"{name}: no product for ggml type {qtype} in row groups of {row_group}")
     if blocks.ndim != 2 or blocks.dtype != jnp.uint8 or blocks.shape[1] != row_bytes(qtype, K):
         raise ValueError(f"{name} takes uint8 blocks [N, {row_bytes(qtype, K)}] for K = {K}; got "
                          f"{blocks.dtype}{blocks.shape}")
 
 
-def block_rows_matmul(x: jax.Array, blocks: jax.Array, qtype: int, live: jax.Array | None = None) -> jax.Array:
+def block_rows_matmul(x: jax.Array, blocks: jax.Array, qtype: int, live: jax.Array | None = None,
+                      row_group: int = 1) -> jax.Array:
     """x [M, K] float32 @ dequant(blocks [N, K / block * block_bytes] uint8, ggml type qtype)^T -> [M, N] float32,
     as llama.cpp's CPU backend computes it: x's rows quantized to the type's activation format (`BLOCK_TYPES`), exact
     integer products per block (cpu_blocks.h; requires `block_kernels()`). Row m depends on x[m] and the weight
-    only. live [M] (optional): rows where it is false are padding, not computed, and come back as 0."""
+    only. live [M] (optional): rows where it is false are padding, not computed, and come back as 0.
+    row_group: 1, blocks in the file's order; BLOCK_ROW_GROUP, a Q4_0 weight in `interleave_block_rows`' order
+    (each block's products summed as one integer and scaled once, as the Q8_0 product does)."""
     M, K = x.shape
-    _check_blocks("block_rows_matmul", K, blocks, qtype)
+    _check_blocks("block_rows_matmul", K, blocks, qtype, row_group)
     out = jax.ShapeDtypeStruct((M, blocks.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_BLOCKS, out, vmap_method="sequential")(
-        x.astype(jnp.float32), blocks, _live_rows(live, M), type=np.int32(qtype))
+        x.astype(jnp.float32), blocks, _live_rows(live, M), type=np.int32(qtype), row_group=np.int32(row_group))
 
 
 def block_rows_matmul_prologue(prologue: str, x: jax.Array, blocks: jax.Array, qtype: int,
                                live: jax.Array | None = None, weight: jax.Array | None = None,
-                               gate: jax.Array | None = None, eps: float = 0.0) -> jax.Array:
+                               gate: jax.Array | None = None, eps: float = 0.0, row_group: int = 1) -> jax.Array:
     """`block_rows_matmul` of x after a prologue, as `q8_rows_matmul_prologue` (its operands and shapes)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"unknown prologue {prologue!r}; one of {sorted(PROLOGUES)}")
     K = x.shape[-1] // 2 if prologue == "swiglu" else x.shape[-1]
     if x.ndim != 2 or x.dtype != jnp.float32:
         raise ValueError(f"block_rows_matmul_prologue({prologue!r}) takes float32 x [M, K]; got {x.dtype}{x.shape}")
-    _check_blocks("block_rows_matmul_prologue", K, blocks, qtype)
+    _check_blocks("block_rows_matmul_prologue", K, blocks, qtype, row_group)
     weight, gate = _prologue_operands(prologue, weight, gate)
     M = x.shape[0]
     out = jax.ShapeDtypeStruct((M, blocks.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET_BLOCKS_PROLOGUE, out, vmap_method="sequential")(
-        x, blocks, _live_rows(live, M), weight, gate, type=np.int32(qtype), prologue=np.int32(PROLOGUES[prologue]),
-        eps=np.float32(eps))  # fmt: skip
+        x, blocks, _live_rows(live, M), weight, gate, type=np.int32(qtype), row_group=np.int32(row_group),
+        prologue=np.int32(PROLOGUES[prologue]), eps=np.float32(eps))  # fmt: skip
 
 
 def quantize_rows_q8_K(x: jax.Array) -> jax.Array:
@@ -404,11 +462,14 @@ def quantize_rows_q8_K(x: jax.Array) -> jax.Array:
 
 
 def block_rows_matmul_reference(x: jax.Array, blocks: jax.Array, qtype: int,
-                                live: jax.Array | None = None) -> jax.Array:
+                                live: jax.Array | None = None, row_group: int = 1) -> jax.Array:
     """The specification of `block_rows_matmul`: the weight dequantized (`quant_blocks.dequantize`, ggml's
     values), x's rows quantized to the type's activation format and back, one float32 product (XLA's order, not
     the kernel's); rows not live 0."""
     from jaxmodel.quant_blocks import dequantize
+
+    if row_group != 1:
+        blocks = file_order_block_rows(blocks, qtype)
 
     M, K = x.shape
     if BLOCK_TYPES[int(qtype)] == "Q8_K":
