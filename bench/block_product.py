@@ -39,7 +39,7 @@ def run(args) -> dict:
     product = jax.jit(cpu_matmul.block_rows_matmul, static_argnums=(2, 4))
     for name in args.types.split(","):
         qtype = QT[name.removesuffix(GROUPED)]
-        row_group = cpu_matmul.BLOCK_ROW_GROUP if name.endswith(GROUPED) else 1
+        row_group = cpu_matmul.ROW_GROUPS[int(qtype)] if name.endswith(GROUPED) else 1
         for where in args.sizes.split(","):
             N = SIZES[where]
             w = random_blocks(rng, qtype, (N, K))
@@ -64,7 +64,7 @@ def run(args) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write JSON results here")
-    parser.add_argument("--types", default="Q4_K,Q5_K,Q6_K,Q4_0,Q4_0-groups,Q8_0,IQ4_XS")
+    parser.add_argument("--types", default="Q4_K,Q4_K-groups,Q5_K,Q6_K,Q4_0,Q4_0-groups,Q8_0,IQ4_XS")
     parser.add_argument("--sizes", default="cache,memory", help=f"comma list of: {', '.join(SIZES)}")
     parser.add_argument("--ms", default="1,2,4,8,16", help="rows of x")
     parser.add_argument("--repeats", type=int, default=15)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .kernels.cpu_matmul import ROW_GROUP_TYPES
+from .kernels.cpu_matmul import row_groups
 from .weights import BlockRows, Transposed, Weights
 
 WEIGHT_DTYPES = ("float32", "bfloat16")
@@ -84,16 +84,17 @@ def _convert_tied_once(weights: Weights, chosen, convert) -> Weights:
 
 
 def group_block_rows(tree, tables=()):
-    """`tree` (the weights, or one layer) with every 2-D float32 `BlockRows` weight of a type the CPU product over
-    row groups takes (Q4_0, `cpu_matmul.ROW_GROUP_TYPES`) in row groups (`BlockRows.grouped`); `tables` (embedding
-    tables, whose rows are looked up, and the heads tied to them) and MoE expert stacks stay in the file's order. A
-    weight shared by several fields is converted once and stays shared."""
+    """`tree` (the weights, or one layer) with every 2-D float32 `BlockRows` weight of a type this machine's CPU
+    products over row groups take (`cpu_matmul.row_groups`: Q4_0, and Q4_K with the 512-bit forms) in row groups
+    (`BlockRows.grouped`); `tables` (embedding tables, whose rows are looked up, and the heads tied to them) and MoE
+    expert stacks stay in the file's order. A weight shared by several fields is converted once and stays shared."""
     kept = {id(t) for t in tables}
     converted: dict[int, BlockRows] = {}
+    types = row_groups()
 
     def visit(x):
         if (not isinstance(x, BlockRows) or id(x) in kept or x.blocks.ndim != 2 or x.row_group != 1
-                or x.compute_dtype != "float32" or x.qtype not in ROW_GROUP_TYPES):
+                or x.compute_dtype != "float32" or x.qtype not in types):
             return x
         if id(x) not in converted:
             converted[id(x)] = x.grouped()

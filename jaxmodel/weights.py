@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import quant_blocks
-from .kernels.cpu_matmul import (BLOCK_ROW_GROUP, Q8_ROW_GROUP, file_order_block_rows, file_order_q8_rows,
+from .kernels.cpu_matmul import (ROW_GROUPS, Q8_ROW_GROUP, file_order_block_rows, file_order_q8_rows,
                                  interleave_block_rows, interleave_q8_rows)
 
 
@@ -94,8 +94,9 @@ class BlockRows:
     weights in (`precision.cast_matmul_weights`): the values a float copy made at load would hold. Leading
     dimensions are MoE experts. shape and dtype are those of the dequantized [..., n_in, n_out] weight.
 
-    row_group 8 (2-D Q4_0 weights on CPU, `precision.group_block_rows`): the rows' bytes in groups of eight, in
-    the order of the CPU product over row groups (`cpu_matmul.interleave_block_rows`; `file_order` undoes it)."""
+    row_group > 1 (2-D Q4_0 and Q4_K weights on CPU, `precision.group_block_rows`): the rows' bytes in groups of
+    that many, in the order of the CPU product over row groups (`cpu_matmul.interleave_block_rows`; `file_order`
+    undoes it)."""
 
     blocks: jax.Array  # [..., n_out, row_bytes] uint8
     qtype: int  # ggml type (gguf.GGMLQuantizationType)
@@ -126,11 +127,11 @@ class BlockRows:
         return dataclasses.replace(self, blocks=file_order_block_rows(self.blocks, self.qtype), row_group=1)
 
     def grouped(self) -> "BlockRows":
-        """The weight with its rows in groups for the CPU product over row groups (a 2-D Q4_0 weight)."""
+        """The weight with its rows in groups for the CPU product over row groups (a 2-D Q4_0 or Q4_K weight)."""
         if self.row_group != 1:
             return self
         return dataclasses.replace(self, blocks=interleave_block_rows(self.blocks, self.qtype),
-                                   row_group=BLOCK_ROW_GROUP)
+                                   row_group=ROW_GROUPS[self.qtype])
 
     def outputs(self, index) -> "BlockRows":
         """The weight restricted to the outputs `index` selects (a slice or an index array). In row groups, a

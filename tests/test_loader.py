@@ -222,9 +222,9 @@ def test_quantized_types_load_as_their_dequantized_values(tmp_path, qtype):
     b, _ = load_model(dequant_path, cpu_kernel=False).score(tokens)
     np.testing.assert_array_equal(a, b)
     kept = load_model(quant_path)
-    if cpu_matmul.block_kernels():  # the bytes themselves; Q4_0 in the row groups its product reads
+    if cpu_matmul.block_kernels():  # the bytes themselves; Q4_0 and Q4_K in the row groups their products read
         up = kept.weights.layers[0].ffn.up
-        assert isinstance(up, BlockRows) and up.row_group == (8 if qtype == QT.Q4_0 else 1)
+        assert isinstance(up, BlockRows) and up.row_group == cpu_matmul.row_groups().get(int(qtype), 1)
         np.testing.assert_array_equal(np.asarray(up.file_order().blocks), raw)
     blocks, _ = kept.score(tokens)
     np.testing.assert_allclose(blocks, b, rtol=0, atol=0.05 * np.abs(b).max())

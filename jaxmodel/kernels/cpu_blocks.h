@@ -74,6 +74,13 @@ struct alignas(64) ActQ8_KS {
   float d;
 };
 
+// Q8_K as the Q4_K product over row groups reads it: the quants in order, d, and the sums of each 32 quants.
+struct alignas(64) ActQ8_KG {
+  int8_t qs[256];
+  float d;
+  int16_t sub_sums[8];
+};
+
 // Q8_0 and -8 times the sum of its quants: what the Q4_0 product over rows in groups of eight reads (its weights
 // are the nibbles, q + 8, as unsigned bytes; the offset starts each block's integer sums).
 struct ActQ8_0Sum {

@@ -123,18 +123,19 @@ struct LiveRows {
 };
 
 // columns(n0, n1) over [0, N) in chunks, on the pool's threads when size (bytes or products) is large enough to pay
-// for the hand-off. Chunks are whole groups of 8 columns (the Q8_0 layout's row groups), kChunksPerThread per thread
+// for the hand-off. Chunks are whole groups of `group` columns (8: the Q8_0 layout's row groups; 16: Q4_K's), so
+// only the last chunk may end in a group of fewer; kChunksPerThread per thread
 // as near equal as the groups allow: each thread then reads long runs of consecutive weight rows, which the
 // hardware prefetcher follows (chunks of 64 columns taken in turn by two threads read a weight from memory at half
 // the rate), and a thread that starts late takes fewer chunks.
 template <typename Columns>
 void over_columns(ffi::ThreadPool& pool, int64_t N, int64_t size, int64_t min_parallel_size,
-                  const Columns& columns) {
+                  const Columns& columns, int64_t group = 8) {
   const bool parallel = size >= min_parallel_size;
   const int64_t threads = parallel ? std::max<int64_t>(pool.num_threads(), 1) : 1;
-  const int64_t groups = (N + 7) / 8;
+  const int64_t groups = (N + group - 1) / group;
   const int64_t n_target = std::min(groups, threads * kChunksPerThread);
-  const int64_t chunk = 8 * ((groups + n_target - 1) / n_target);
+  const int64_t chunk = group * ((groups + n_target - 1) / n_target);
   const int64_t n_chunks = (N + chunk - 1) / chunk;
   gdnspec::over_chunks(pool, n_chunks, parallel,
                        [&](int64_t c) { columns(c * chunk, std::min(N, (c + 1) * chunk)); });
@@ -635,7 +636,9 @@ void block_columns(const uint8_t* w, const typename Format::Act* x, float* const
 
 struct Q4_0Rows {
   using Act = blk::ActQ8_0Sum;
-  static constexpr int64_t kBytes = 18, kBlock = 32;
+  static constexpr int64_t kBytes = 18, kBlock = 32, kGroup = blk::kRowGroup;
+  static void columns(const uint8_t* w, const Act* x, float* const* out, int64_t L, int64_t nb, int64_t n0,
+                      int64_t n1);
 };
 
 inline void quantize_act(const float* x, int64_t K, blk::ActQ8_0Sum* y) {
@@ -658,7 +661,7 @@ inline __m256i dot_nibbles(__m256i acc, __m256i u, __m256i s) {
 // once for the MR rows.
 template <int MR, int NG>
 void q4_0_groups(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const* out, int64_t nb, int64_t n) {
-  constexpr int64_t kGroupBlock = blk::kRowGroup * Q4_0Rows::kBytes;
+  constexpr int64_t kGroupBlock = blk::kRowGroup * Q4_0Rows::kBytes, kAhead = 8 * kGroupBlock;
   const __m256i low4 = _mm256_set1_epi8(0xF);
   __m256 acc[MR][NG];
   for (int m = 0; m < MR; ++m)
@@ -668,6 +671,8 @@ void q4_0_groups(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const
     __m256 dw[NG];
     for (int j = 0; j < NG; ++j) {
       group[j] = w + (n + blk::kRowGroup * j) * nb * Q4_0Rows::kBytes + b * kGroupBlock;
+      for (int64_t line = 0; line < kGroupBlock; line += 64)
+        _mm_prefetch((const char*)(group[j] + kAhead + line), _MM_HINT_T0);
       dw[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)group[j]));
     }
     // Lane r: block b's integer product of weight row 8j + r and row m of x, its first and last 16 weights'
@@ -740,8 +745,8 @@ void q4_0_row_block(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* co
 
 // As block_columns, for Q4_0 in row groups: [n0, n1) starts at a group's start (over_columns' chunks are whole
 // groups), and only the last chunk ends in a group of fewer rows.
-void q4_0_group_columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const* out, int64_t L, int64_t nb,
-                        int64_t n0, int64_t n1) {
+void Q4_0Rows::columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const* out, int64_t L, int64_t nb,
+                       int64_t n0, int64_t n1) {
   for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
     const blk::ActQ8_0Sum* rows[kRowBlock];
     const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
@@ -755,6 +760,195 @@ void q4_0_group_columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const
     }
   }
 }
+
+#if GDNSPEC_BLOCKS512
+// ---------------------------------------------------------------------------------------------- Q4_K row groups
+//
+// Q4_K weights as `interleave_block_rows` stores them at load: rows in groups of sixteen (the last may hold fewer,
+// g), each group super-block after super-block, a super-block being 144 g bytes: the g rows' f16 d, their f16
+// dmin, scale byte i of each row for i = 0..11, then the nibbles four bytes of each row at a time. One 64-byte
+// load of unit 8c + q holds, in its low nibbles, weights 64c+4q..64c+4q+3 (sub-block 2c) of each of sixteen rows
+// and in its high nibbles weights 64c+32+4q.. (sub-block 2c+1), so `vpdpbusd` with four bytes of x broadcast adds
+// into one int32 lane per weight row, a sub-block's sum after eight; the sixteen rows' scales and mins are
+// unpacked once for all rows of x (the per-row form unpacks them, and converts and scales its lanes, per row and
+// super-block, which bounds a 4-token verify by instructions). Per output and super-block, in float:
+//   t = sum over c of (d sc_2c) lo_c + (d sc_2c+1) hi_c, then t += (-dmin) sum_j m_j sum_j(x_q) (`vpdpwssd` over
+//   pairs of sub-blocks), then acc = fma(d_x, t, acc)
+// in that order whatever M, so a row's result depends on its x alone.
+
+constexpr int64_t kPrefetchAhead = 2 * 16 * 144;
+struct Q4_KRows {
+  using Act = blk::ActQ8_KG;
+  static constexpr int64_t kBytes = 144, kBlock = 256, kGroup = 16;
+  static void columns(const uint8_t* w, const Act* x, float* const* out, int64_t L, int64_t nb, int64_t n0,
+                      int64_t n1);
+};
+
+inline void quantize_act(const float* x, int64_t K, blk::ActQ8_KG* y) {
+  blk::ActQ8_K natural;
+  for (int64_t i = 0; i < K / 256; ++i) {
+    blk::quantize_row_q8_K(x + 256 * i, 256, &natural);
+    std::memcpy(y[i].qs, natural.qs, sizeof natural.qs);
+    y[i].d = natural.d;
+    for (int j = 0; j < 8; ++j) y[i].sub_sums[j] = int16_t(natural.bsums[2 * j] + natural.bsums[2 * j + 1]);
+  }
+}
+
+// ggml's get_scale_min_k4 for sixteen rows at once: sub-block j's six-bit scale and min of each row, as bytes,
+// from the rows' scale bytes s[i] (byte i of each row).
+inline void scales_mins16(const __m128i* s, int j, __m128i& scale, __m128i& min) {
+  const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m48 = _mm_set1_epi8(0x30);
+  if (j < 4) {
+    scale = _mm_and_si128(s[j], m63);
+    min = _mm_and_si128(s[j + 4], m63);
+  } else {
+    scale = _mm_or_si128(_mm_and_si128(s[j + 4], m15), _mm_and_si128(_mm_srli_epi16(s[j - 4], 2), m48));
+    min = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 4], 4), m15), _mm_and_si128(_mm_srli_epi16(s[j], 2), m48));
+  }
+}
+
+// Outputs [n, n + 16) of MR rows of x: one whole group.
+template <int MR>
+void q4_k_group(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb, int64_t n) {
+  constexpr int64_t G = Q4_KRows::kGroup, kGroupBlock = G * Q4_KRows::kBytes;
+  const __m512i low4 = _mm512_set1_epi8(0xF);
+  const uint8_t* group = w + n * nb * Q4_KRows::kBytes;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * kGroupBlock;
+    for (int64_t line = 0; line < kGroupBlock; line += 64)
+      _mm_prefetch((const char*)(block + kPrefetchAhead + line), _MM_HINT_T0);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)block));
+    const __m512 neg_dmin = _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 2 * G))),
+                                          _mm512_set1_ps(-0.f));
+    __m128i s[12], mins[8];
+    for (int i = 0; i < 12; ++i) s[i] = _mm_loadu_si128((const __m128i*)(block + 4 * G + G * i));
+    __m512 scale[8];
+    for (int j = 0; j < 8; ++j) {
+      __m128i sc;
+      scales_mins16(s, j, sc, mins[j]);
+      scale[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+    }
+    __m512i min_pairs[4];  // int32 lane r: the int16 pair (m_2i, m_2i+1) of row r
+    for (int i = 0; i < 4; ++i)
+      min_pairs[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(mins[2 * i], mins[2 * i + 1]),
+                                                           _mm_unpacklo_epi8(mins[2 * i], mins[2 * i + 1])));
+    const uint8_t* qs = block + 16 * G;
+    __m512 t[MR];
+    for (int m = 0; m < MR; ++m) t[m] = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      __m512i low_sum[MR], high_sum[MR];
+      for (int m = 0; m < MR; ++m) low_sum[m] = high_sum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) {
+        const __m512i v = _mm512_loadu_si512((const void*)(qs + (8 * c + q) * 4 * G));
+        const __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        for (int m = 0; m < MR; ++m) {
+          int32_t first, second;
+          std::memcpy(&first, x[m][b].qs + 64 * c + 4 * q, 4);
+          std::memcpy(&second, x[m][b].qs + 64 * c + 32 + 4 * q, 4);
+          low_sum[m] = _mm512_dpbusd_epi32(low_sum[m], low, _mm512_set1_epi32(first));
+          high_sum[m] = _mm512_dpbusd_epi32(high_sum[m], high, _mm512_set1_epi32(second));
+        }
+      }
+      for (int m = 0; m < MR; ++m) {
+        t[m] = _mm512_fmadd_ps(scale[2 * c], _mm512_cvtepi32_ps(low_sum[m]), t[m]);
+        t[m] = _mm512_fmadd_ps(scale[2 * c + 1], _mm512_cvtepi32_ps(high_sum[m]), t[m]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      __m512i min_dot = _mm512_setzero_si512();
+      for (int i = 0; i < 4; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, x[m][b].sub_sums + 2 * i, 4);
+        min_dot = _mm512_dpwssd_epi32(min_dot, min_pairs[i], _mm512_set1_epi32(pair));
+      }
+      t[m] = _mm512_fmadd_ps(neg_dmin, _mm512_cvtepi32_ps(min_dot), t[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b].d), t[m], acc[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out[m] + n, acc[m]);
+}
+
+// Outputs [first, first + g) of MR rows of x, one at a time in the kernel's order: a last group of g < 16 rows.
+template <int MR>
+void q4_k_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb,
+                             int64_t first, int64_t g) {
+  constexpr int64_t B = Q4_KRows::kBytes;
+  for (int64_t r = 0; r < g; ++r)
+    for (int m = 0; m < MR; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = w + first * nb * B + b * g * B;
+        const float d = blk::half(block + 2 * r), neg_dmin = -blk::half(block + 2 * g + 2 * r);
+        uint8_t s[12];
+        for (int i = 0; i < 12; ++i) s[i] = block[4 * g + g * i + r];
+        int32_t scale[8], min[8];
+        for (int j = 0; j < 8; ++j) {
+          scale[j] = j < 4 ? s[j] & 63 : (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+          min[j] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+        const blk::ActQ8_KG& xb = x[m][b];
+        float t = 0.f;
+        for (int c = 0; c < 4; ++c) {
+          int32_t low = 0, high = 0;
+          for (int q = 0; q < 8; ++q)
+            for (int k = 0; k < 4; ++k) {
+              const uint8_t byte = block[16 * g + (8 * c + q) * 4 * g + 4 * r + k];
+              low += int32_t(byte & 0xF) * xb.qs[64 * c + 4 * q + k];
+              high += int32_t(byte >> 4) * xb.qs[64 * c + 32 + 4 * q + k];
+            }
+          t = std::fma(d * float(scale[2 * c]), float(low), t);
+          t = std::fma(d * float(scale[2 * c + 1]), float(high), t);
+        }
+        int32_t min_dot = 0;
+        for (int j = 0; j < 8; ++j) min_dot += min[j] * xb.sub_sums[j];
+        t = std::fma(neg_dmin, float(min_dot), t);
+        acc = std::fma(xb.d, t, acc);
+      }
+      out[m][first + r] = acc;
+    }
+}
+
+template <int MR>
+void q4_k_row_block(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb, int64_t n0,
+                    int64_t n1) {
+  constexpr int64_t G = Q4_KRows::kGroup;
+  for (int64_t n = n0; n < n1; n += G) {
+    if (n + G <= n1)
+      q4_k_group<MR>(w, x, out, nb, n);
+    else
+      q4_k_outputs_one_by_one<MR>(w, x, out, nb, n, n1 - n);
+  }
+}
+
+void Q4_KRows::columns(const uint8_t* w, const blk::ActQ8_KG* x, float* const* out, int64_t L, int64_t nb,
+                       int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
+    const blk::ActQ8_KG* rows[kRowBlock];
+    const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
+    for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * nb;
+    float* const* om = out + m0;
+    switch (mr) {
+      case 1: q4_k_row_block<1>(w, rows, om, nb, n0, n1); break;
+      case 2: q4_k_row_block<2>(w, rows, om, nb, n0, n1); break;
+      case 3: q4_k_row_block<3>(w, rows, om, nb, n0, n1); break;
+      default: q4_k_row_block<4>(w, rows, om, nb, n0, n1); break;
+    }
+  }
+}
+#endif
+
+// Rows per group of a format's layout (kGroup; 1: the file's order).
+template <typename F, typename = void>
+struct RowGroup {
+  static constexpr int64_t rows = 1;
+};
+template <typename F>
+struct RowGroup<F, std::void_t<decltype(F::kGroup)>> {
+  static constexpr int64_t rows = F::kGroup;
+};
 
 // As q8_product, for a block format.
 template <typename Format, typename Input>
@@ -778,12 +972,16 @@ ffi::Error block_product(ffi::ThreadPool& pool, const int32_t* live, int64_t M, 
   }
   const Act* ap = xa.data();
   float* const* op = rows.out.data();
-  over_columns(pool, N, L * N * K, kQ8MinParallelWork, [=](int64_t n0, int64_t n1) {
-    if constexpr (std::is_same_v<Format, Q4_0Rows>)
-      q4_0_group_columns(w, ap, op, L, nb, n0, n1);
-    else
-      block_columns<Format>(w, ap, op, L, nb, n0, n1);
-  });
+  constexpr int64_t group = RowGroup<Format>::rows;
+  over_columns(
+      pool, N, L * N * K, kQ8MinParallelWork,
+      [=](int64_t n0, int64_t n1) {
+        if constexpr (group > 1)
+          Format::columns(w, ap, op, L, nb, n0, n1);
+        else
+          block_columns<Format>(w, ap, op, L, nb, n0, n1);
+      },
+      std::max<int64_t>(group, 8));
   return ffi::Error::Success();
 }
 #endif
@@ -799,10 +997,12 @@ template <typename Run>
 ffi::Error with_format(const char* name, int32_t type, int32_t row_group, const Run& run) {
 #if GDNSPEC_BLOCKS
   if (row_group != 1) {
-    if (row_group == blk::kRowGroup && type == blk::kQ4_0) return run(Tag<Q4_0Rows>{});
+    if (row_group == Q4_0Rows::kGroup && type == blk::kQ4_0) return run(Tag<Q4_0Rows>{});
+#if GDNSPEC_BLOCKS512
+    if (row_group == Q4_KRows::kGroup && type == blk::kQ4_K) return run(Tag<Q4_KRows>{});
+#endif
     return ffi::Error::InvalidArgument(std::string(name) + ": no product for ggml type " + std::to_string(type) +
-                                       " in row groups of " + std::to_string(row_group) + " (only Q4_0 in groups of " +
-                                       std::to_string(blk::kRowGroup) + ")");
+                                       " in row groups of " + std::to_string(row_group));
   }
   switch (type) {
     case blk::kQ4_0: return run(Tag<blk::Q4_0>{});

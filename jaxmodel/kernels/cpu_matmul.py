@@ -348,57 +348,75 @@ def q8_rows_matmul_reference(x: jax.Array, quants: jax.Array, scales: jax.Array,
     return _zero_dead_rows(jnp.sum(dots.astype(jnp.float32) * (xd[:, None, :] * scales[None, :, :]), axis=-1), live)
 
 
-# ggml types whose 2-D weights `load_model` stores in groups of BLOCK_ROW_GROUP rows (`interleave_block_rows`) for
-# the product over row groups (cpu_matmul.cc, "Q4_0 row groups"): Q4_0.
-ROW_GROUP_TYPES = frozenset({2})
-BLOCK_ROW_GROUP = 8
-_Q4_0_BYTES, _Q4_0_QUADS = 18, 4  # a block: f16 d, 16 bytes of nibbles (4 quads of 4)
+# Rows per group of the products over row groups (cpu_matmul.cc, "Row groups"), by ggml type: Q4_0 in groups of 8
+# (256-bit lanes), Q4_K in groups of 16 (512-bit lanes; only where the 512-bit forms build, `row_groups`).
+ROW_GROUPS = {2: 8, 12: 16}
+# A block's bytes in the row groups' order, as segments (start, stop, unit): within a group's block, each segment
+# in turn, unit after unit, each unit's bytes of every row of the group in turn.
+_GROUP_SEGMENTS = {
+    2: ((0, 2, 2), (2, 18, 4)),  # Q4_0: d; 16 bytes of nibbles, four at a time
+    12: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 144, 4)),  # Q4_K: d; dmin; 12 scale bytes, one at a time; nibbles
+}
 
 
-def _regroup_block_rows(blocks, to_kernel: bool):
-    """Q4_0 blocks [N, K / 32 * 18] between the file's order and the row groups' (`interleave_block_rows`)."""
+def row_groups() -> dict[int, int]:
+    """The row groups this machine's block products take (ggml type -> rows per group): Q4_0 wherever they build,
+    Q4_K where the 512-bit forms do."""
+    if not block_kernels():
+        return {}
+    return {t: g for t, g in ROW_GROUPS.items() if t != 12 or block_kernel_isa() == "avx512-vnni"}
+
+
+def _regroup_block_rows(blocks, qtype: int, to_kernel: bool):
+    """Blocks [N, row_bytes] of a type in ROW_GROUPS between the file's order and the row groups'
+    (`interleave_block_rows`)."""
+    from jaxmodel.quant_blocks import FORMATS
+
+    if int(qtype) not in ROW_GROUPS:
+        raise ValueError(f"ggml type {qtype} has no row-group order (only Q4_0 and Q4_K)")
     xp = jnp if isinstance(blocks, jax.Array) else np
+    size, segments = FORMATS[int(qtype)].block_bytes, _GROUP_SEGMENTS[int(qtype)]
+    group = ROW_GROUPS[int(qtype)]
     N, row = blocks.shape
-    nb = row // _Q4_0_BYTES
-    full = N // BLOCK_ROW_GROUP * BLOCK_ROW_GROUP
+    nb = row // size
+    full = N // group * group
 
     def regroup(b, g):  # b [n, row], n a multiple of g
         groups = b.shape[0] // g
         if to_kernel:
-            file = b.reshape(groups, g, nb, _Q4_0_BYTES)
-            scales = file[..., :2].transpose(0, 2, 1, 3).reshape(groups, nb, 2 * g)
-            quads = file[..., 2:].reshape(groups, g, nb, _Q4_0_QUADS, 4).transpose(0, 2, 3, 1, 4)
-            return xp.concatenate([scales, quads.reshape(groups, nb, 16 * g)], axis=-1).reshape(b.shape)
-        kernel = b.reshape(groups, nb, _Q4_0_BYTES * g)
-        scales = kernel[..., : 2 * g].reshape(groups, nb, g, 2).transpose(0, 2, 1, 3)
-        quads = kernel[..., 2 * g :].reshape(groups, nb, _Q4_0_QUADS, g, 4).transpose(0, 3, 1, 2, 4)
-        return xp.concatenate([scales, quads.reshape(groups, g, nb, 16)], axis=-1).reshape(b.shape)
+            file = b.reshape(groups, g, nb, size)
+            parts = [file[..., a:z].reshape(groups, g, nb, (z - a) // u, u).transpose(0, 2, 3, 1, 4)
+                     .reshape(groups, nb, (z - a) * g) for a, z, u in segments]  # fmt: skip
+        else:
+            kernel = b.reshape(groups, nb, size * g)
+            parts = [kernel[..., a * g : z * g].reshape(groups, nb, (z - a) // u, g, u).transpose(0, 3, 1, 2, 4)
+                     .reshape(groups, g, nb, z - a) for a, z, u in segments]  # fmt: skip
+        return xp.concatenate(parts, axis=-1).reshape(b.shape)
 
-    parts = [regroup(blocks[:full], BLOCK_ROW_GROUP)] if full else []
+    parts = [regroup(blocks[:full], group)] if full else []
     if N > full:
         parts.append(regroup(blocks[full:], N - full))
     return parts[0] if len(parts) == 1 else xp.concatenate(parts)
 
 
 def interleave_block_rows(blocks, qtype: int):
-    """A Q4_0 weight's blocks [N, K / 32 * 18] (uint8, numpy or jax) in the file's order -> the row groups' order:
-    rows in groups of BLOCK_ROW_GROUP = 8 (the last may hold fewer, g), each group block after block, a block's
-    18 g bytes being the g rows' f16 scales, then for quad q = 0..3 bytes 4q..4q+3 of each row's 16 bytes of nibbles
-    in turn. A 32-byte vector of quad q then holds weights 4q..4q+3 (low nibbles) and 16+4q..16+4q+3 (high nibbles)
-    of each of eight rows, one row per lane of an integer product, and the whole group streams from one place.
+    """A Q4_0 or Q4_K weight's blocks [N, row_bytes] (uint8, numpy or jax) in the file's order -> the row groups'
+    order: rows in groups of ROW_GROUPS[qtype] (8 for Q4_0, 16 for Q4_K; the last may hold fewer, g), each group
+    block after block, a block's bytes for the g rows segment by segment (`_GROUP_SEGMENTS`), each segment unit by
+    unit, a unit's bytes of every row in turn. Q4_0: the g f16 scales, then for q = 0..3 bytes 4q..4q+3 of each
+    row's nibbles, so a 32-byte vector of quad q holds weights 4q..4q+3 (low nibbles) and 16+4q..16+4q+3 (high
+    nibbles) of each of eight rows, one row per lane of an integer product. Q4_K: the g d's, the g dmin's, scale
+    byte i of each row for i = 0..11, then the nibbles four bytes at a time (a 64-byte vector: four weights of two
+    sub-blocks of each of sixteen rows).
 
-    Example, two rows a, b (one group, g = 2) of one block: da db a[0:4] b[0:4] a[4:8] b[4:8] ... a[12:16] b[12:16]
-    (a[i]: byte i of a's nibbles, weights i and 16 + i)."""
-    if int(qtype) not in ROW_GROUP_TYPES:
-        raise ValueError(f"ggml type {qtype} has no row-group order (only Q4_0)")
-    return _regroup_block_rows(blocks, to_kernel=True)
+    Example, two Q4_0 rows a, b (one group, g = 2) of one block: da db a[0:4] b[0:4] a[4:8] b[4:8] ... a[12:16]
+    b[12:16] (a[i]: byte i of a's nibbles, weights i and 16 + i)."""
+    return _regroup_block_rows(blocks, qtype, to_kernel=True)
 
 
 def file_order_block_rows(blocks, qtype: int):
     """The inverse of `interleave_block_rows`."""
-    if int(qtype) not in ROW_GROUP_TYPES:
-        raise ValueError(f"ggml type {qtype} has no row-group order (only Q4_0)")
-    return _regroup_block_rows(blocks, to_kernel=False)
+    return _regroup_block_rows(blocks, qtype, to_kernel=False)
 
 
 def _check_blocks(name: str, K: int, blocks: jax.Array, qtype: int, row_group: int = 1) -> None:
@@ -407,8 +425,9 @@ def _check_blocks(name: str, K: int, blocks: jax.Array, qtype: int, row_group: i
     if int(qtype) not in BLOCK_TYPES:
         names = ", ".join(FORMATS[t].qtype.name for t in FORMATS if int(t) in BLOCK_TYPES)
         raise ValueError(f"{name}: no product for ggml type {qtype} (one of {names})")
-    if row_group != 1 and (row_group != BLOCK_ROW_GROUP or int(qtype) not in ROW_GROUP_TYPES):
-        raise ValueError(f"{name}: no product for ggml type {qtype} in row groups of {row_group}")
+    if row_group != 1 and row_groups().get(int(qtype)) != row_group:
+        raise ValueError(f"{name}: no product for ggml type {qtype} in row groups of {row_group} (this machine's "
+                         f"row groups: {row_groups()})")
     if blocks.ndim != 2 or blocks.dtype != jnp.uint8 or blocks.shape[1] != row_bytes(qtype, K):
         raise ValueError(f"{name} takes uint8 blocks [N, {row_bytes(qtype, K)}] for K = {K}; got "
                          f"{blocks.dtype}{blocks.shape}")
@@ -420,8 +439,8 @@ def block_rows_matmul(x: jax.Array, blocks: jax.Array, qtype: int, live: jax.Arr
     as llama.cpp's CPU backend computes it: x's rows quantized to the type's activation format (`BLOCK_TYPES`), exact
     integer products per block (cpu_blocks.h; requires `block_kernels()`). Row m depends on x[m] and the weight
     only. live [M] (optional): rows where it is false are padding, not computed, and come back as 0.
-    row_group: 1, blocks in the file's order; BLOCK_ROW_GROUP, a Q4_0 weight in `interleave_block_rows`' order
-    (each block's products summed as one integer and scaled once, as the Q8_0 product does)."""
+    row_group: 1, blocks in the file's order; row_groups()[qtype], a weight in `interleave_block_rows`' order
+    (each block's products summed as integers in one lane per weight row and scaled once for the group)."""
     M, K = x.shape
     _check_blocks("block_rows_matmul", K, blocks, qtype, row_group)
     out = jax.ShapeDtypeStruct((M, blocks.shape[0]), jnp.float32)
