@@ -634,6 +634,18 @@ void block_columns(const uint8_t* w, const typename Format::Act* x, float* const
 // Each output: acc = fma(d_w * d_x, float(dot_b), acc) block after block, dot_b = sum(nibble * x_q) - 8 sum(x_q)
 // exact, whatever M, the tile and the instructions (VNNI's `vpdpbusd`, or `maddubs` and `madd`).
 
+// The rows of x four at a time (then what is left) for a format over row groups: run(mr, rows, out) with rows[r]
+// row m0 + r's nb activation records and out its outputs, for m0 = 0, 4, ...
+template <typename Act, typename Run>
+void rows_of_x_by_four(const Act* x, float* const* out, int64_t L, int64_t nb, const Run& run) {
+  for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
+    const Act* rows[kRowBlock];
+    const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
+    for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * nb;
+    run(mr, rows, out + m0);
+  }
+}
+
 struct Q4_0Rows {
   using Act = blk::ActQ8_0Sum;
   static constexpr int64_t kBytes = 18, kBlock = 32, kGroup = blk::kRowGroup;
@@ -747,18 +759,14 @@ void q4_0_row_block(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* co
 // groups), and only the last chunk ends in a group of fewer rows.
 void Q4_0Rows::columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const* out, int64_t L, int64_t nb,
                        int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
-    const blk::ActQ8_0Sum* rows[kRowBlock];
-    const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
-    for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * nb;
-    float* const* om = out + m0;
+  rows_of_x_by_four(x, out, L, nb, [&](int mr, const blk::ActQ8_0Sum* const* rows, float* const* om) {
     switch (mr) {
       case 1: q4_0_row_block<1, 1>(w, rows, om, nb, n0, n1); break;
       case 2: q4_0_row_block<2, 1>(w, rows, om, nb, n0, n1); break;
       case 3: q4_0_row_block<3, 1>(w, rows, om, nb, n0, n1); break;
       default: q4_0_row_block<4, 1>(w, rows, om, nb, n0, n1); break;
     }
-  }
+  });
 }
 
 #if GDNSPEC_BLOCKS512
@@ -925,18 +933,166 @@ void q4_k_row_block(const uint8_t* w, const blk::ActQ8_KG* const* x, float* cons
 
 void Q4_KRows::columns(const uint8_t* w, const blk::ActQ8_KG* x, float* const* out, int64_t L, int64_t nb,
                        int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
-    const blk::ActQ8_KG* rows[kRowBlock];
-    const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
-    for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * nb;
-    float* const* om = out + m0;
+  rows_of_x_by_four(x, out, L, nb, [&](int mr, const blk::ActQ8_KG* const* rows, float* const* om) {
     switch (mr) {
       case 1: q4_k_row_block<1>(w, rows, om, nb, n0, n1); break;
       case 2: q4_k_row_block<2>(w, rows, om, nb, n0, n1); break;
       case 3: q4_k_row_block<3>(w, rows, om, nb, n0, n1); break;
       default: q4_k_row_block<4>(w, rows, om, nb, n0, n1); break;
     }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------- Q6_K row groups
+//
+// Q6_K weights in groups of sixteen rows (`interleave_block_rows`): per super-block, 210 g bytes: the rows' `ql`
+// four bytes of each row at a time, their `qh` likewise, scale byte i of each row for i = 0..15, their f16 d. For
+// half h and unit u, the 64-byte vectors of ql units 16h + u and 16h + 8 + u and qh unit 8h + u give four 6-bit
+// weights of each of sixteen rows in four places of the super-block (128h + 32k + 4u, k = 0..3: ggml's
+// dequantize_row_q6_K), stored unsigned (q + 32): `vpdpbusd` sums each 16-weight sub-block into one int32 lane per
+// weight row. Per output and super-block, in float:
+//   t = sum over sub-blocks j of (d sc_j) sum_j, then t += (-32 d) sum_j sc_j sum_j(x_q) (`vpdpwssd` over pairs
+//   of sub-blocks), then acc = fma(d_x, t, acc)
+// in that order whatever M.
+
+struct Q6_KRows {
+  using Act = blk::ActQ8_K;
+  static constexpr int64_t kBytes = 210, kBlock = 256, kGroup = 16;
+  static void columns(const uint8_t* w, const Act* x, float* const* out, int64_t L, int64_t nb, int64_t n0,
+                      int64_t n1);
+};
+
+// Outputs [n, n + 16) of MR rows of x: one whole group.
+template <int MR>
+void q6_k_group(const uint8_t* w, const blk::ActQ8_K* const* x, float* const* out, int64_t nb, int64_t n) {
+  constexpr int64_t G = Q6_KRows::kGroup, kGroupBlock = G * Q6_KRows::kBytes;
+  const __m512i m15 = _mm512_set1_epi8(15), m48 = _mm512_set1_epi8(48);
+  const uint8_t* group = w + n * nb * Q6_KRows::kBytes;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* block = group + b * kGroupBlock;
+    for (int64_t line = 0; line < kGroupBlock; line += 64)
+      _mm_prefetch((const char*)(block + 2 * kGroupBlock + line), _MM_HINT_T0);
+    const uint8_t *ql = block, *qh = block + 128 * G, *scales = block + 192 * G;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 208 * G)));
+    __m512 scale[16];
+    for (int j = 0; j < 16; ++j)
+      scale[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(scales + G * j)))));
+    __m512i scale_pairs[8];  // int32 lane r: the int16 pair (sc_2i, sc_2i+1) of row r
+    for (int i = 0; i < 8; ++i) {
+      const __m128i a = _mm_loadu_si128((const __m128i*)(scales + G * 2 * i));
+      const __m128i c = _mm_loadu_si128((const __m128i*)(scales + G * (2 * i + 1)));
+      scale_pairs[i] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, c), _mm_unpacklo_epi8(a, c)));
+    }
+    __m512 t[MR];
+    for (int m = 0; m < MR; ++m) t[m] = _mm512_setzero_ps();
+    for (int h = 0; h < 2; ++h)
+      for (int quarter = 0; quarter < 2; ++quarter) {  // units u = 4 quarter .. 4 quarter + 3: sub-blocks 8h + quarter + 2k
+        __m512i sum[MR][4];
+        for (int m = 0; m < MR; ++m)
+          for (int k = 0; k < 4; ++k) sum[m][k] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const int u = 4 * quarter + v;
+          const __m512i low = _mm512_loadu_si512((const void*)(ql + (16 * h + u) * 4 * G));
+          const __m512i high = _mm512_loadu_si512((const void*)(ql + (16 * h + 8 + u) * 4 * G));
+          const __m512i bits = _mm512_loadu_si512((const void*)(qh + (8 * h + u) * 4 * G));
+          __m512i q[4];
+          q[0] = _mm512_or_si512(_mm512_and_si512(low, m15), _mm512_and_si512(_mm512_slli_epi16(bits, 4), m48));
+          q[1] = _mm512_or_si512(_mm512_and_si512(high, m15), _mm512_and_si512(_mm512_slli_epi16(bits, 2), m48));
+          q[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), m15), _mm512_and_si512(bits, m48));
+          q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(high, 4), m15),
+                                 _mm512_and_si512(_mm512_srli_epi16(bits, 2), m48));
+          for (int m = 0; m < MR; ++m)
+            for (int k = 0; k < 4; ++k) {
+              int32_t quad;
+              std::memcpy(&quad, x[m][b].qs + 128 * h + 32 * k + 4 * u, 4);
+              sum[m][k] = _mm512_dpbusd_epi32(sum[m][k], q[k], _mm512_set1_epi32(quad));
+            }
+        }
+        for (int m = 0; m < MR; ++m)
+          for (int k = 0; k < 4; ++k)
+            t[m] = _mm512_fmadd_ps(scale[8 * h + 2 * k + quarter], _mm512_cvtepi32_ps(sum[m][k]), t[m]);
+      }
+    const __m512 offset = _mm512_mul_ps(d, _mm512_set1_ps(-32.f));
+    for (int m = 0; m < MR; ++m) {
+      __m512i scaled_sums = _mm512_setzero_si512();
+      for (int i = 0; i < 8; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, x[m][b].bsums + 2 * i, 4);
+        scaled_sums = _mm512_dpwssd_epi32(scaled_sums, scale_pairs[i], _mm512_set1_epi32(pair));
+      }
+      t[m] = _mm512_fmadd_ps(offset, _mm512_cvtepi32_ps(scaled_sums), t[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b].d), t[m], acc[m]);
+    }
   }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out[m] + n, acc[m]);
+}
+
+// Outputs [first, first + g) of MR rows of x, one at a time in the kernel's order: a last group of g < 16 rows.
+template <int MR>
+void q6_k_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_K* const* x, float* const* out, int64_t nb,
+                             int64_t first, int64_t g) {
+  constexpr int64_t B = Q6_KRows::kBytes;
+  for (int64_t r = 0; r < g; ++r)
+    for (int m = 0; m < MR; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = w + first * nb * B + b * g * B;
+        const uint8_t *ql = block, *qh = block + 128 * g, *scales = block + 192 * g;
+        const float d = blk::half(block + 208 * g + 2 * r);
+        const blk::ActQ8_K& xb = x[m][b];
+        float t = 0.f;
+        for (int h = 0; h < 2; ++h)
+          for (int quarter = 0; quarter < 2; ++quarter) {
+            int32_t sum[4] = {0, 0, 0, 0};
+            for (int v = 0; v < 4; ++v) {
+              const int u = 4 * quarter + v;
+              for (int i = 0; i < 4; ++i) {
+                const int low = ql[(16 * h + u) * 4 * g + 4 * r + i], high = ql[(16 * h + 8 + u) * 4 * g + 4 * r + i];
+                const int bits = qh[(8 * h + u) * 4 * g + 4 * r + i];
+                const int q[4] = {(low & 15) | ((bits & 3) << 4), (high & 15) | ((bits >> 2 & 3) << 4),
+                                  (low >> 4) | ((bits >> 4 & 3) << 4), (high >> 4) | ((bits >> 6 & 3) << 4)};
+                for (int k = 0; k < 4; ++k) sum[k] += q[k] * xb.qs[128 * h + 32 * k + 4 * u + i];
+              }
+            }
+            for (int k = 0; k < 4; ++k) {
+              const int j = 8 * h + 2 * k + quarter;
+              t = std::fma(d * float(int8_t(scales[g * j + r])), float(sum[k]), t);
+            }
+          }
+        int32_t scaled_sums = 0;
+        for (int j = 0; j < 16; ++j) scaled_sums += int32_t(int8_t(scales[g * j + r])) * xb.bsums[j];
+        t = std::fma(d * -32.f, float(scaled_sums), t);
+        acc = std::fma(xb.d, t, acc);
+      }
+      out[m][first + r] = acc;
+    }
+}
+
+template <int MR>
+void q6_k_row_block(const uint8_t* w, const blk::ActQ8_K* const* x, float* const* out, int64_t nb, int64_t n0,
+                    int64_t n1) {
+  constexpr int64_t G = Q6_KRows::kGroup;
+  for (int64_t n = n0; n < n1; n += G) {
+    if (n + G <= n1)
+      q6_k_group<MR>(w, x, out, nb, n);
+    else
+      q6_k_outputs_one_by_one<MR>(w, x, out, nb, n, n1 - n);
+  }
+}
+
+void Q6_KRows::columns(const uint8_t* w, const blk::ActQ8_K* x, float* const* out, int64_t L, int64_t nb,
+                       int64_t n0, int64_t n1) {
+  rows_of_x_by_four(x, out, L, nb, [&](int mr, const blk::ActQ8_K* const* rows, float* const* om) {
+    switch (mr) {
+      case 1: q6_k_row_block<1>(w, rows, om, nb, n0, n1); break;
+      case 2: q6_k_row_block<2>(w, rows, om, nb, n0, n1); break;
+      case 3: q6_k_row_block<3>(w, rows, om, nb, n0, n1); break;
+      default: q6_k_row_block<4>(w, rows, om, nb, n0, n1); break;
+    }
+  });
 }
 #endif
 
@@ -1000,6 +1156,7 @@ ffi::Error with_format(const char* name, int32_t type, int32_t row_group, const 
     if (row_group == Q4_0Rows::kGroup && type == blk::kQ4_0) return run(Tag<Q4_0Rows>{});
 #if GDNSPEC_BLOCKS512
     if (row_group == Q4_KRows::kGroup && type == blk::kQ4_K) return run(Tag<Q4_KRows>{});
+    if (row_group == Q6_KRows::kGroup && type == blk::kQ6_K) return run(Tag<Q6_KRows>{});
 #endif
     return ffi::Error::InvalidArgument(std::string(name) + ": no product for ggml type " + std::to_string(type) +
                                        " in row groups of " + std::to_string(row_group));
