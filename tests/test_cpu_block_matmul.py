@@ -1,5 +1,5 @@
 """The block product (`cpu_matmul.block_rows_matmul`): weights kept as their file's ggml blocks (Q4_0, Q5_0, Q8_0,
-Q4_K, Q5_K, Q6_K, IQ4_XS; Q4_0, Q4_K and Q6_K also in row groups) times x quantized as llama.cpp quantizes it for the type,
+Q4_K, Q5_K, Q6_K, IQ4_XS; Q4_0, Q4_K, Q5_K and Q6_K also in row groups) times x quantized as llama.cpp quantizes it for the type,
 against the plain reference (the weight dequantized as gguf does, x quantized and back, one float32 product), row by
 row alike whatever the batch, with its prologues, and its refusals."""
 
@@ -62,28 +62,30 @@ def test_block_product_of_an_odd_number_of_blocks(qtype):
 def test_row_groups_order_as_documented():
     """interleave_block_rows' example: two rows a, b of one Q4_0 block give da db a[0:4] b[0:4] ... a[12:16]
     b[12:16]; a last group of fewer rows keeps the same order over its own rows; file_order_block_rows undoes it
-    for Q4_0, Q4_K and Q6_K (numpy and jax arrays alike)."""
+    for every type that has one (numpy and jax arrays alike)."""
     a, b = np.arange(18, dtype=np.uint8), np.arange(100, 118, dtype=np.uint8)
     grouped = cpu_matmul.interleave_block_rows(np.stack([a, b]), int(QT.Q4_0)).reshape(-1)
     quads = [np.concatenate([a[2 + 4 * q : 6 + 4 * q], b[2 + 4 * q : 6 + 4 * q]]) for q in range(4)]
     np.testing.assert_array_equal(grouped, np.concatenate([a[:2], b[:2], *quads]))
-    for qtype, shape in ((QT.Q4_0, (21, 96)), (QT.Q4_K, (37, 512)), (QT.Q6_K, (37, 512))):  # a last group of 5
+    for qtype, shape in ((QT.Q4_0, (21, 96)), (QT.Q4_K, (37, 512)), (QT.Q5_K, (37, 512)),
+                         (QT.Q6_K, (37, 512))):  # a last group of 5
         blocks = random_blocks(np.random.default_rng(5), qtype, shape)
         for xp in (np, jnp):
             there = cpu_matmul.interleave_block_rows(xp.asarray(blocks), int(qtype))
             assert not np.array_equal(np.asarray(there), blocks)
             np.testing.assert_array_equal(np.asarray(cpu_matmul.file_order_block_rows(there, int(qtype))), blocks)
-    with pytest.raises(ValueError, match="only Q4_0, Q4_K and Q6_K"):
-        cpu_matmul.interleave_block_rows(random_blocks(np.random.default_rng(5), QT.Q5_K, (8, 256)), int(QT.Q5_K))
+    with pytest.raises(ValueError, match="only Q4_0, Q4_K, Q5_K and Q6_K"):
+        cpu_matmul.interleave_block_rows(random_blocks(np.random.default_rng(5), QT.Q8_0, (8, 256)), int(QT.Q8_0))
 
 
 @needs_kernel
 @pytest.mark.parametrize("qtype,N,K", [(QT.Q4_0, 44, 512), (QT.Q4_0, 3, 160), (QT.Q4_0, 16, 32),
                                        (QT.Q4_K, 44, 512), (QT.Q4_K, 5, 256), (QT.Q4_K, 32, 768),
+                                       (QT.Q5_K, 44, 512), (QT.Q5_K, 5, 256), (QT.Q5_K, 32, 768),
                                        (QT.Q6_K, 44, 512), (QT.Q6_K, 5, 256), (QT.Q6_K, 32, 768)],
                          ids=lambda v: getattr(v, "name", str(v)))  # fmt: skip
 def test_row_groups_match_the_reference_for_every_batch(qtype, N, K):
-    """Q4_0 (groups of 8), Q4_K and Q6_K (groups of 16, where the 512-bit forms build) in row groups
+    """Q4_0 (groups of 8), Q4_K, Q5_K and Q6_K (groups of 16, where the 512-bit forms build) in row groups
     (`interleave_block_rows`): against the reference; a row alone gives the same bits as beside others; the rows of
     a last group of fewer (summed one output at a time) give the same bits as in a whole group."""
     group = cpu_matmul.row_groups().get(int(qtype))
@@ -124,8 +126,8 @@ def test_block_product_against_gguf_dequantize_on_quantized_normals():
 
 
 @needs_kernel
-@pytest.mark.parametrize("qtype,row_group", [(QT.Q4_K, 1), (QT.Q4_0, 8), (QT.Q4_K, 16), (QT.Q6_K, 16)],
-                         ids=["Q4_K", "Q4_0-groups", "Q4_K-groups", "Q6_K-groups"])
+@pytest.mark.parametrize("qtype,row_group", [(QT.Q4_K, 1), (QT.Q4_0, 8), (QT.Q4_K, 16), (QT.Q5_K, 16), (QT.Q6_K, 16)],
+                         ids=["Q4_K", "Q4_0-groups", "Q4_K-groups", "Q5_K-groups", "Q6_K-groups"])
 @pytest.mark.parametrize("prologue", ["rms_norm", "swiglu", "gated_rms_norm"])
 def test_block_product_prologues(prologue, qtype, row_group):
     if row_group > 1 and cpu_matmul.row_groups().get(int(qtype)) != row_group:
@@ -173,7 +175,7 @@ def test_q8_K_activations_as_llama_cpp():
 @pytest.mark.skipif(cpu_matmul.block_kernel_isa() != "avx512-vnni", reason="this CPU runs the 256-bit forms itself")
 def test_the_256_bit_forms_where_the_cpu_has_avx512(tmp_path):
     # A CPU without AVX-512 runs the 256-bit forms: the tests above again, on the library built with only those
-    # (which have no Q4_K or Q6_K row groups: those tests alone skip).
+    # (which have no K-quant row groups: those tests alone skip).
     env = {**os.environ, "GDNSPEC_CPU_BLOCKS": "avx2"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-o", "addopts=", "-p", "no:cacheprovider", __file__, "-k",
                            "matches_its_reference or odd_number or prologues or reads_past or isa or row_groups"], env=env, capture_output=True, text=True,

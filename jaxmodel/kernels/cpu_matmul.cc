@@ -774,7 +774,9 @@ void Q4_0Rows::columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const*
 //
 // Q4_K weights as `interleave_block_rows` stores them at load: rows in groups of sixteen (the last may hold fewer,
 // g), each group super-block after super-block, a super-block being 144 g bytes: the g rows' f16 d, their f16
-// dmin, scale byte i of each row for i = 0..11, then the nibbles four bytes of each row at a time. One 64-byte
+// dmin, scale byte i of each row for i = 0..11, then the nibbles four bytes of each row at a time (Q5_K: 176 g
+// bytes, the fifth bits' 32 bytes four at a time before the nibbles; bit 2c of qh unit q is the fifth bit of the
+// low nibbles of unit 8c + q, bit 2c + 1 of its high nibbles, as in ggml's dequantize_row_q5_K). One 64-byte
 // load of unit 8c + q holds, in its low nibbles, weights 64c+4q..64c+4q+3 (sub-block 2c) of each of sixteen rows
 // and in its high nibbles weights 64c+32+4q.. (sub-block 2c+1), so `vpdpbusd` with four bytes of x broadcast adds
 // into one int32 lane per weight row, a sub-block's sum after eight; the sixteen rows' scales and mins are
@@ -784,13 +786,16 @@ void Q4_0Rows::columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const*
 //   pairs of sub-blocks), then acc = fma(d_x, t, acc)
 // in that order whatever M, so a row's result depends on its x alone.
 
-constexpr int64_t kPrefetchAhead = 2 * 16 * 144;
-struct Q4_KRows {
+template <bool kFifthBit>
+struct QK45Rows {
   using Act = blk::ActQ8_KG;
-  static constexpr int64_t kBytes = 144, kBlock = 256, kGroup = 16;
+  static constexpr int64_t kBytes = kFifthBit ? 176 : 144, kBlock = 256, kGroup = 16;
+  static constexpr int64_t kQuants = kFifthBit ? 48 : 16;  // where the nibbles start, per row of the group
   static void columns(const uint8_t* w, const Act* x, float* const* out, int64_t L, int64_t nb, int64_t n0,
                       int64_t n1);
 };
+using Q4_KRows = QK45Rows<false>;
+using Q5_KRows = QK45Rows<true>;
 
 inline void quantize_act(const float* x, int64_t K, blk::ActQ8_KG* y) {
   blk::ActQ8_K natural;
@@ -816,11 +821,12 @@ inline void scales_mins16(const __m128i* s, int j, __m128i& scale, __m128i& min)
 }
 
 // Outputs [n, n + 16) of MR rows of x: one whole group.
-template <int MR>
-void q4_k_group(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb, int64_t n) {
-  constexpr int64_t G = Q4_KRows::kGroup, kGroupBlock = G * Q4_KRows::kBytes;
-  const __m512i low4 = _mm512_set1_epi8(0xF);
-  const uint8_t* group = w + n * nb * Q4_KRows::kBytes;
+template <bool kFifthBit, int MR>
+void qk45_group(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb, int64_t n) {
+  using Rows = QK45Rows<kFifthBit>;
+  constexpr int64_t G = Rows::kGroup, kGroupBlock = G * Rows::kBytes, kPrefetchAhead = 2 * kGroupBlock;
+  const __m512i low4 = _mm512_set1_epi8(0xF), one = _mm512_set1_epi8(1);
+  const uint8_t* group = w + n * nb * Rows::kBytes;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -842,7 +848,7 @@ void q4_k_group(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* o
     for (int i = 0; i < 4; ++i)
       min_pairs[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(mins[2 * i], mins[2 * i + 1]),
                                                            _mm_unpacklo_epi8(mins[2 * i], mins[2 * i + 1])));
-    const uint8_t* qs = block + 16 * G;
+    const uint8_t *qh = block + 16 * G, *qs = block + Rows::kQuants * G;
     __m512 t[MR];
     for (int m = 0; m < MR; ++m) t[m] = _mm512_setzero_ps();
     for (int c = 0; c < 4; ++c) {
@@ -851,7 +857,13 @@ void q4_k_group(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* o
 #pragma GCC unroll 8
       for (int q = 0; q < 8; ++q) {
         const __m512i v = _mm512_loadu_si512((const void*)(qs + (8 * c + q) * 4 * G));
-        const __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (kFifthBit) {
+          const __m512i bits = _mm512_loadu_si512((const void*)(qh + q * 4 * G));
+          low = _mm512_or_si512(low, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c), one), 4));
+          high = _mm512_or_si512(high,
+                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(bits, 2 * c + 1), one), 4));
+        }
         for (int m = 0; m < MR; ++m) {
           int32_t first, second;
           std::memcpy(&first, x[m][b].qs + 64 * c + 4 * q, 4);
@@ -880,10 +892,11 @@ void q4_k_group(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* o
 }
 
 // Outputs [first, first + g) of MR rows of x, one at a time in the kernel's order: a last group of g < 16 rows.
-template <int MR>
-void q4_k_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb,
+template <bool kFifthBit, int MR>
+void qk45_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb,
                              int64_t first, int64_t g) {
-  constexpr int64_t B = Q4_KRows::kBytes;
+  using Rows = QK45Rows<kFifthBit>;
+  constexpr int64_t B = Rows::kBytes;
   for (int64_t r = 0; r < g; ++r)
     for (int m = 0; m < MR; ++m) {
       float acc = 0.f;
@@ -903,9 +916,10 @@ void q4_k_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_KG* const* x, fl
           int32_t low = 0, high = 0;
           for (int q = 0; q < 8; ++q)
             for (int k = 0; k < 4; ++k) {
-              const uint8_t byte = block[16 * g + (8 * c + q) * 4 * g + 4 * r + k];
-              low += int32_t(byte & 0xF) * xb.qs[64 * c + 4 * q + k];
-              high += int32_t(byte >> 4) * xb.qs[64 * c + 32 + 4 * q + k];
+              const uint8_t byte = block[Rows::kQuants * g + (8 * c + q) * 4 * g + 4 * r + k];
+              const int bits = kFifthBit ? block[16 * g + q * 4 * g + 4 * r + k] : 0;
+              low += int32_t((byte & 0xF) | (bits >> (2 * c) & 1) << 4) * xb.qs[64 * c + 4 * q + k];
+              high += int32_t((byte >> 4) | (bits >> (2 * c + 1) & 1) << 4) * xb.qs[64 * c + 32 + 4 * q + k];
             }
           t = std::fma(d * float(scale[2 * c]), float(low), t);
           t = std::fma(d * float(scale[2 * c + 1]), float(high), t);
@@ -919,26 +933,27 @@ void q4_k_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_KG* const* x, fl
     }
 }
 
-template <int MR>
-void q4_k_row_block(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb, int64_t n0,
+template <bool kFifthBit, int MR>
+void qk45_row_block(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb, int64_t n0,
                     int64_t n1) {
-  constexpr int64_t G = Q4_KRows::kGroup;
+  constexpr int64_t G = QK45Rows<kFifthBit>::kGroup;
   for (int64_t n = n0; n < n1; n += G) {
     if (n + G <= n1)
-      q4_k_group<MR>(w, x, out, nb, n);
+      qk45_group<kFifthBit, MR>(w, x, out, nb, n);
     else
-      q4_k_outputs_one_by_one<MR>(w, x, out, nb, n, n1 - n);
+      qk45_outputs_one_by_one<kFifthBit, MR>(w, x, out, nb, n, n1 - n);
   }
 }
 
-void Q4_KRows::columns(const uint8_t* w, const blk::ActQ8_KG* x, float* const* out, int64_t L, int64_t nb,
-                       int64_t n0, int64_t n1) {
+template <bool kFifthBit>
+void QK45Rows<kFifthBit>::columns(const uint8_t* w, const blk::ActQ8_KG* x, float* const* out, int64_t L,
+                                  int64_t nb, int64_t n0, int64_t n1) {
   rows_of_x_by_four(x, out, L, nb, [&](int mr, const blk::ActQ8_KG* const* rows, float* const* om) {
     switch (mr) {
-      case 1: q4_k_row_block<1>(w, rows, om, nb, n0, n1); break;
-      case 2: q4_k_row_block<2>(w, rows, om, nb, n0, n1); break;
-      case 3: q4_k_row_block<3>(w, rows, om, nb, n0, n1); break;
-      default: q4_k_row_block<4>(w, rows, om, nb, n0, n1); break;
+      case 1: qk45_row_block<kFifthBit, 1>(w, rows, om, nb, n0, n1); break;
+      case 2: qk45_row_block<kFifthBit, 2>(w, rows, om, nb, n0, n1); break;
+      case 3: qk45_row_block<kFifthBit, 3>(w, rows, om, nb, n0, n1); break;
+      default: qk45_row_block<kFifthBit, 4>(w, rows, om, nb, n0, n1); break;
     }
   });
 }
@@ -1156,6 +1171,7 @@ ffi::Error with_format(const char* name, int32_t type, int32_t row_group, const 
     if (row_group == Q4_0Rows::kGroup && type == blk::kQ4_0) return run(Tag<Q4_0Rows>{});
 #if GDNSPEC_BLOCKS512
     if (row_group == Q4_KRows::kGroup && type == blk::kQ4_K) return run(Tag<Q4_KRows>{});
+    if (row_group == Q5_KRows::kGroup && type == blk::kQ5_K) return run(Tag<Q5_KRows>{});
     if (row_group == Q6_KRows::kGroup && type == blk::kQ6_K) return run(Tag<Q6_KRows>{});
 #endif
     return ffi::Error::InvalidArgument(std::string(name) + ": no product for ggml type " + std::to_string(type) +
