@@ -384,22 +384,31 @@ def _regroup_block_rows(blocks, qtype: int, to_kernel: bool):
     nb = row // size
     full = N // group * group
 
-    def regroup(b, g):  # b [n, row], n a multiple of g
+    def regroup(b, g, out):  # b [n, row], n a multiple of g; numpy fills out [n, row], jax returns the result
         groups = b.shape[0] // g
+        result = b if out is None else out
+        file = (b if to_kernel else result).reshape(groups, g, nb, size)
+        kernel = (result if to_kernel else b).reshape(groups, nb, size * g)
+        views = []  # (a segment in the file's order, the same in the kernel's), both [groups, nb, units, g, unit]
+        for a, z, u in segments:
+            views.append((file[..., a:z].reshape(groups, g, nb, (z - a) // u, u).transpose(0, 2, 3, 1, 4),
+                          kernel[..., a * g : z * g].reshape(groups, nb, (z - a) // u, g, u)))
+        if out is not None:  # segment by segment into the output: no copy of the whole weight but the output
+            for there, here in views:
+                np.copyto(here, there) if to_kernel else np.copyto(there, here)
+            return out
         if to_kernel:
-            file = b.reshape(groups, g, nb, size)
-            parts = [file[..., a:z].reshape(groups, g, nb, (z - a) // u, u).transpose(0, 2, 3, 1, 4)
-                     .reshape(groups, nb, (z - a) * g) for a, z, u in segments]  # fmt: skip
-        else:
-            kernel = b.reshape(groups, nb, size * g)
-            parts = [kernel[..., a * g : z * g].reshape(groups, nb, (z - a) // u, g, u).transpose(0, 3, 1, 2, 4)
-                     .reshape(groups, g, nb, z - a) for a, z, u in segments]  # fmt: skip
-        return xp.concatenate(parts, axis=-1).reshape(b.shape)
+            return jnp.concatenate([there.reshape(groups, nb, -1) for there, _ in views], axis=-1).reshape(b.shape)
+        return jnp.concatenate([here.transpose(0, 3, 1, 2, 4).reshape(groups, g, nb, -1) for _, here in views],
+                               axis=-1).reshape(b.shape)
 
-    parts = [regroup(blocks[:full], group)] if full else []
+    out = np.empty_like(blocks) if xp is np else None
+    parts = [regroup(blocks[:full], group, None if out is None else out[:full])] if full else []
     if N > full:
-        parts.append(regroup(blocks[full:], N - full))
-    return parts[0] if len(parts) == 1 else xp.concatenate(parts)
+        parts.append(regroup(blocks[full:], N - full, None if out is None else out[full:]))
+    if out is not None:
+        return out
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
 def interleave_block_rows(blocks, qtype: int):
