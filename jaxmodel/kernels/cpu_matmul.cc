@@ -634,15 +634,29 @@ void block_columns(const uint8_t* w, const typename Format::Act* x, float* const
 // Each output: acc = fma(d_w * d_x, float(dot_b), acc) block after block, dot_b = sum(nibble * x_q) - 8 sum(x_q)
 // exact, whatever M, the tile and the instructions (VNNI's `vpdpbusd`, or `maddubs` and `madd`).
 
-// The rows of x four at a time (then what is left) for a format over row groups: run(mr, rows, out) with rows[r]
-// row m0 + r's nb activation records and out its outputs, for m0 = 0, 4, ...
+// Asks for the cache lines of [p, p + bytes) ahead of their use. The row-group products read a group's block of a
+// few KB at a time and then compute on it for longer than the per-row forms do, so the hardware prefetcher alone
+// left their loads and arithmetic apart (docs/performance.md, "K-quant weights stay in their blocks", 6). A hint:
+// an address past the weight's end does not fault.
+inline void prefetch(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)(p + line), _MM_HINT_T0);
+}
+
+// The rows of x four at a time (then what is left) for a format over row groups: run(mr, rows, out) with mr the
+// number of rows as a std::integral_constant (a template argument: decltype(mr)::value), rows[r] row m0 + r's nb
+// activation records and out its outputs, for m0 = 0, 4, ...
 template <typename Act, typename Run>
 void rows_of_x_by_four(const Act* x, float* const* out, int64_t L, int64_t nb, const Run& run) {
   for (int64_t m0 = 0; m0 < L; m0 += kRowBlock) {
     const Act* rows[kRowBlock];
     const int mr = int(std::min<int64_t>(kRowBlock, L - m0));
     for (int r = 0; r < mr; ++r) rows[r] = x + (m0 + r) * nb;
-    run(mr, rows, out + m0);
+    switch (mr) {
+      case 1: run(std::integral_constant<int, 1>{}, rows, out + m0); break;
+      case 2: run(std::integral_constant<int, 2>{}, rows, out + m0); break;
+      case 3: run(std::integral_constant<int, 3>{}, rows, out + m0); break;
+      default: run(std::integral_constant<int, 4>{}, rows, out + m0); break;
+    }
   }
 }
 
@@ -683,8 +697,7 @@ void q4_0_groups(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const
     __m256 dw[NG];
     for (int j = 0; j < NG; ++j) {
       group[j] = w + (n + blk::kRowGroup * j) * nb * Q4_0Rows::kBytes + b * kGroupBlock;
-      for (int64_t line = 0; line < kGroupBlock; line += 64)
-        _mm_prefetch((const char*)(group[j] + kAhead + line), _MM_HINT_T0);
+      prefetch(group[j] + kAhead, kGroupBlock);
       dw[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)group[j]));
     }
     // Lane r: block b's integer product of weight row 8j + r and row m of x, its first and last 16 weights'
@@ -759,13 +772,8 @@ void q4_0_row_block(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* co
 // groups), and only the last chunk ends in a group of fewer rows.
 void Q4_0Rows::columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const* out, int64_t L, int64_t nb,
                        int64_t n0, int64_t n1) {
-  rows_of_x_by_four(x, out, L, nb, [&](int mr, const blk::ActQ8_0Sum* const* rows, float* const* om) {
-    switch (mr) {
-      case 1: q4_0_row_block<1, 1>(w, rows, om, nb, n0, n1); break;
-      case 2: q4_0_row_block<2, 1>(w, rows, om, nb, n0, n1); break;
-      case 3: q4_0_row_block<3, 1>(w, rows, om, nb, n0, n1); break;
-      default: q4_0_row_block<4, 1>(w, rows, om, nb, n0, n1); break;
-    }
+  rows_of_x_by_four(x, out, L, nb, [&](auto mr, const blk::ActQ8_0Sum* const* rows, float* const* om) {
+    q4_0_row_block<decltype(mr)::value, 1>(w, rows, om, nb, n0, n1);
   });
 }
 
@@ -785,6 +793,20 @@ void Q4_0Rows::columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const*
 //   t = sum over c of (d sc_2c) lo_c + (d sc_2c+1) hi_c, then t += (-dmin) sum_j m_j sum_j(x_q) (`vpdpwssd` over
 //   pairs of sub-blocks), then acc = fma(d_x, t, acc)
 // in that order whatever M, so a row's result depends on its x alone.
+
+// t + coefficient * sum_i pairs[i] . (sums[2i], sums[2i+1]), sixteen weight rows in the lanes (pairs[i]: int16
+// pairs, one per int32 lane): the part of a group's super-block sum that depends on x's sums of its sub-blocks
+// (Q4_K / Q5_K: the mins; Q6_K: the offset of its 6-bit weights).
+template <int kPairs>
+inline __m512 plus_pair_sums(__m512 t, __m512 coefficient, const __m512i* pairs, const int16_t* sums) {
+  __m512i dot = _mm512_setzero_si512();
+  for (int i = 0; i < kPairs; ++i) {
+    int32_t pair;
+    std::memcpy(&pair, sums + 2 * i, 4);
+    dot = _mm512_dpwssd_epi32(dot, pairs[i], _mm512_set1_epi32(pair));
+  }
+  return _mm512_fmadd_ps(coefficient, _mm512_cvtepi32_ps(dot), t);
+}
 
 template <bool kFifthBit>
 struct QK45Rows {
@@ -831,8 +853,7 @@ void qk45_group(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* o
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = group + b * kGroupBlock;
-    for (int64_t line = 0; line < kGroupBlock; line += 64)
-      _mm_prefetch((const char*)(block + kPrefetchAhead + line), _MM_HINT_T0);
+    prefetch(block + kPrefetchAhead, kGroupBlock);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)block));
     const __m512 neg_dmin = _mm512_xor_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 2 * G))),
                                           _mm512_set1_ps(-0.f));
@@ -878,13 +899,7 @@ void qk45_group(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* o
       }
     }
     for (int m = 0; m < MR; ++m) {
-      __m512i min_dot = _mm512_setzero_si512();
-      for (int i = 0; i < 4; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, x[m][b].sub_sums + 2 * i, 4);
-        min_dot = _mm512_dpwssd_epi32(min_dot, min_pairs[i], _mm512_set1_epi32(pair));
-      }
-      t[m] = _mm512_fmadd_ps(neg_dmin, _mm512_cvtepi32_ps(min_dot), t[m]);
+      t[m] = plus_pair_sums<4>(t[m], neg_dmin, min_pairs, x[m][b].sub_sums);
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b].d), t[m], acc[m]);
     }
   }
@@ -948,13 +963,8 @@ void qk45_row_block(const uint8_t* w, const blk::ActQ8_KG* const* x, float* cons
 template <bool kFifthBit>
 void QK45Rows<kFifthBit>::columns(const uint8_t* w, const blk::ActQ8_KG* x, float* const* out, int64_t L,
                                   int64_t nb, int64_t n0, int64_t n1) {
-  rows_of_x_by_four(x, out, L, nb, [&](int mr, const blk::ActQ8_KG* const* rows, float* const* om) {
-    switch (mr) {
-      case 1: qk45_row_block<kFifthBit, 1>(w, rows, om, nb, n0, n1); break;
-      case 2: qk45_row_block<kFifthBit, 2>(w, rows, om, nb, n0, n1); break;
-      case 3: qk45_row_block<kFifthBit, 3>(w, rows, om, nb, n0, n1); break;
-      default: qk45_row_block<kFifthBit, 4>(w, rows, om, nb, n0, n1); break;
-    }
+  rows_of_x_by_four(x, out, L, nb, [&](auto mr, const blk::ActQ8_KG* const* rows, float* const* om) {
+    qk45_row_block<kFifthBit, decltype(mr)::value>(w, rows, om, nb, n0, n1);
   });
 }
 
@@ -987,8 +997,7 @@ void q6_k_group(const uint8_t* w, const blk::ActQ8_K* const* x, float* const* ou
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* block = group + b * kGroupBlock;
-    for (int64_t line = 0; line < kGroupBlock; line += 64)
-      _mm_prefetch((const char*)(block + 2 * kGroupBlock + line), _MM_HINT_T0);
+    prefetch(block + 2 * kGroupBlock, kGroupBlock);
     const uint8_t *ql = block, *qh = block + 128 * G, *scales = block + 192 * G;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 208 * G)));
     __m512 scale[16];
@@ -1032,13 +1041,7 @@ void q6_k_group(const uint8_t* w, const blk::ActQ8_K* const* x, float* const* ou
       }
     const __m512 offset = _mm512_mul_ps(d, _mm512_set1_ps(-32.f));
     for (int m = 0; m < MR; ++m) {
-      __m512i scaled_sums = _mm512_setzero_si512();
-      for (int i = 0; i < 8; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, x[m][b].bsums + 2 * i, 4);
-        scaled_sums = _mm512_dpwssd_epi32(scaled_sums, scale_pairs[i], _mm512_set1_epi32(pair));
-      }
-      t[m] = _mm512_fmadd_ps(offset, _mm512_cvtepi32_ps(scaled_sums), t[m]);
+      t[m] = plus_pair_sums<8>(t[m], offset, scale_pairs, x[m][b].bsums);
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m][b].d), t[m], acc[m]);
     }
   }
@@ -1100,13 +1103,8 @@ void q6_k_row_block(const uint8_t* w, const blk::ActQ8_K* const* x, float* const
 
 void Q6_KRows::columns(const uint8_t* w, const blk::ActQ8_K* x, float* const* out, int64_t L, int64_t nb,
                        int64_t n0, int64_t n1) {
-  rows_of_x_by_four(x, out, L, nb, [&](int mr, const blk::ActQ8_K* const* rows, float* const* om) {
-    switch (mr) {
-      case 1: q6_k_row_block<1>(w, rows, om, nb, n0, n1); break;
-      case 2: q6_k_row_block<2>(w, rows, om, nb, n0, n1); break;
-      case 3: q6_k_row_block<3>(w, rows, om, nb, n0, n1); break;
-      default: q6_k_row_block<4>(w, rows, om, nb, n0, n1); break;
-    }
+  rows_of_x_by_four(x, out, L, nb, [&](auto mr, const blk::ActQ8_K* const* rows, float* const* om) {
+    q6_k_row_block<decltype(mr)::value>(w, rows, om, nb, n0, n1);
   });
 }
 #endif
