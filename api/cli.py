@@ -86,7 +86,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="fewer iterations per device call where they would take longer than this, as the last "
                         "decoding call measured (0: no bound; default: 100)")
     p.add_argument("--draft-vocab", type=int, default=None,
-                   help="the MTP head drafts among the token ids below this (default: all)")
+                   help="the MTP head drafts among the token ids below this (default: all); a multiple of 16 "
+                        "keeps a quantized head's row groups whole (another value regroups the head's prefix in "
+                        "every step)")
     p.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default=None,
                    help="matmul weights (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--dequantize-at-load", action="store_true",
