@@ -64,7 +64,8 @@ def run(args) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write JSON results here")
-    parser.add_argument("--types", default="Q4_K,Q4_K-groups,Q5_K,Q5_K-groups,Q6_K,Q6_K-groups,Q4_0,Q4_0-groups,Q8_0,IQ4_XS")
+    parser.add_argument("--types",
+                        default="Q4_K,Q4_K-groups,Q5_K,Q5_K-groups,Q6_K,Q6_K-groups,Q4_0,Q4_0-groups,Q8_0,IQ4_XS")
     parser.add_argument("--sizes", default="cache,memory", help=f"comma list of: {', '.join(SIZES)}")
     parser.add_argument("--ms", default="1,2,4,8,16", help="rows of x")
     parser.add_argument("--repeats", type=int, default=15)

@@ -275,7 +275,7 @@ def load_model(path: str | os.PathLike, *, load_mtp: bool = True, keep_f16: bool
     # peak stays within a layer of the weights' own bytes (float files keep the order of the steps below).
     reader = open_gguf(str(path))  # opened once: parsing the header is most of a small file's load
     blocks_file = bool(keep_blocks) and any(t.tensor_type in keep_blocks for t in reader.tensors)
-    # Q4_0 weights the block kernels multiply go in row groups (`precision.group_block_rows`), a layer at a time.
+    # Weights the block kernels multiply in row groups go into them (`precision.group_block_rows`), a layer at a time.
     grouped = group_block_rows if use_kernels and cpu_matmul.block_kernels() else (lambda tree, tables=(): tree)
     finish_layer = ((lambda layer: to_device(grouped(fuse_layer(layer) if fuse else layer)))
                     if blocks_file else None)  # fmt: skip

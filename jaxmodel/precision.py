@@ -85,9 +85,9 @@ def _convert_tied_once(weights: Weights, chosen, convert) -> Weights:
 
 def group_block_rows(tree, tables=()):
     """`tree` (the weights, or one layer) with every 2-D float32 `BlockRows` weight of a type this machine's CPU
-    products over row groups take (`cpu_matmul.row_groups`: Q4_0, and Q4_K with the 512-bit forms) in row groups
-    (`BlockRows.grouped`); `tables` (embedding tables, whose rows are looked up, and the heads tied to them) and MoE
-    expert stacks stay in the file's order. A weight shared by several fields is converted once and stays shared."""
+    products over row groups take (`cpu_matmul.row_groups`: Q4_0, and Q4_K, Q5_K and Q6_K with the 512-bit forms)
+    in row groups (`BlockRows.grouped`); `tables` (embedding tables, whose rows are looked up, and the heads tied to
+    them) and MoE expert stacks stay in the file's order. A weight shared by several fields is converted once and stays shared."""
     kept = {id(t) for t in tables}
     converted: dict[int, BlockRows] = {}
     types = row_groups()

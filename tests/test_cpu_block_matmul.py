@@ -1,6 +1,6 @@
 """The block product (`cpu_matmul.block_rows_matmul`): weights kept as their file's ggml blocks (Q4_0, Q5_0, Q8_0,
-Q4_K, Q5_K, Q6_K, IQ4_XS; Q4_0, Q4_K, Q5_K and Q6_K also in row groups) times x quantized as llama.cpp quantizes it for the type,
-against the plain reference (the weight dequantized as gguf does, x quantized and back, one float32 product), row by
+Q4_K, Q5_K, Q6_K, IQ4_XS; Q4_0, Q4_K, Q5_K and Q6_K also in row groups) times x quantized as llama.cpp quantizes
+it for the type, against the plain reference (the weight dequantized as gguf does, x quantized and back, one float32 product), row by
 row alike whatever the batch, with its prologues, and its refusals."""
 
 from __future__ import annotations

@@ -660,6 +660,18 @@ void rows_of_x_by_four(const Act* x, float* const* out, int64_t L, int64_t nb, c
   }
 }
 
+// Outputs [n0, n1) group by group: whole(n) for each whole group of G rows from n, part(n, g) for a last group of
+// g < G rows (only the last chunk of `over_columns` ends in one).
+template <int64_t G, typename Whole, typename Part>
+void by_groups(int64_t n0, int64_t n1, const Whole& whole, const Part& part) {
+  for (int64_t n = n0; n < n1; n += G) {
+    if (n + G <= n1)
+      whole(n);
+    else
+      part(n, n1 - n);
+  }
+}
+
 struct Q4_0Rows {
   using Act = blk::ActQ8_0Sum;
   static constexpr int64_t kBytes = 18, kBlock = 32, kGroup = blk::kRowGroup;
@@ -683,59 +695,43 @@ inline __m256i dot_nibbles(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-// Outputs [n, n + 8 NG) of MR rows of x (x[m]: row m's records): NG whole groups, the weight loaded and unpacked
-// once for the MR rows.
-template <int MR, int NG>
-void q4_0_groups(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const* out, int64_t nb, int64_t n) {
+// Outputs [n, n + 8) of MR rows of x (x[m]: row m's records): one whole group, the weight loaded and unpacked once
+// for the MR rows. (Two or four groups side by side, as the Q8_0 product takes them, read from memory at half the
+// rate: docs/performance.md, "K-quant weights stay in their blocks", 5.)
+template <int MR>
+void q4_0_group(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const* out, int64_t nb, int64_t n) {
   constexpr int64_t kGroupBlock = blk::kRowGroup * Q4_0Rows::kBytes, kAhead = 8 * kGroupBlock;
   const __m256i low4 = _mm256_set1_epi8(0xF);
-  __m256 acc[MR][NG];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NG; ++j) acc[m][j] = _mm256_setzero_ps();
+  __m256 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* group[NG];
-    __m256 dw[NG];
-    for (int j = 0; j < NG; ++j) {
-      group[j] = w + (n + blk::kRowGroup * j) * nb * Q4_0Rows::kBytes + b * kGroupBlock;
-      prefetch(group[j] + kAhead, kGroupBlock);
-      dw[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)group[j]));
-    }
-    // Lane r: block b's integer product of weight row 8j + r and row m of x, its first and last 16 weights'
+    const uint8_t* group = w + n * nb * Q4_0Rows::kBytes + b * kGroupBlock;
+    prefetch(group + kAhead, kGroupBlock);
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)group));
+    // Lane r: block b's integer product of weight row n + r and row m of x, its first and last 16 weights'
     // products in two chains.
-    __m256i dot[MR][NG], dot_high[MR][NG];
-    for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < NG; ++j) {
-        dot[m][j] = _mm256_set1_epi32(x[m][b].offset);
-        dot_high[m][j] = _mm256_setzero_si256();
-      }
+    __m256i dot[MR], dot_high[MR];
+    for (int m = 0; m < MR; ++m) {
+      dot[m] = _mm256_set1_epi32(x[m][b].offset);
+      dot_high[m] = _mm256_setzero_si256();
+    }
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q) {
-      __m256i low[NG], high[NG];
-      for (int j = 0; j < NG; ++j) {
-        const __m256i bytes = _mm256_loadu_si256((const __m256i*)(group[j] + 16 + 32 * q));
-        low[j] = _mm256_and_si256(bytes, low4);
-        high[j] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-      }
+      const __m256i bytes = _mm256_loadu_si256((const __m256i*)(group + 16 + 32 * q));
+      const __m256i low = _mm256_and_si256(bytes, low4), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
       for (int m = 0; m < MR; ++m) {
         int32_t first, second;
         std::memcpy(&first, x[m][b].qs + 4 * q, 4);
         std::memcpy(&second, x[m][b].qs + 16 + 4 * q, 4);
-        const __m256i x_first = _mm256_set1_epi32(first), x_second = _mm256_set1_epi32(second);
-        for (int j = 0; j < NG; ++j) {
-          dot[m][j] = dot_nibbles(dot[m][j], low[j], x_first);
-          dot_high[m][j] = dot_nibbles(dot_high[m][j], high[j], x_second);
-        }
+        dot[m] = dot_nibbles(dot[m], low, _mm256_set1_epi32(first));
+        dot_high[m] = dot_nibbles(dot_high[m], high, _mm256_set1_epi32(second));
       }
     }
-    for (int m = 0; m < MR; ++m) {
-      const __m256 dx = _mm256_set1_ps(x[m][b].d);
-      for (int j = 0; j < NG; ++j)
-        acc[m][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx),
-                                    _mm256_cvtepi32_ps(_mm256_add_epi32(dot[m][j], dot_high[m][j])), acc[m][j]);
-    }
+    for (int m = 0; m < MR; ++m)
+      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x[m][b].d)),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(dot[m], dot_high[m])), acc[m]);
   }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NG; ++j) _mm256_storeu_ps(out[m] + n + blk::kRowGroup * j, acc[m][j]);
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out[m] + n, acc[m]);
 }
 
 // Outputs [first, first + g) of MR rows of x, one at a time in the kernel's order: a last group of g < 8 rows.
@@ -758,22 +754,14 @@ void q4_0_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_0Sum* const* x, 
     }
 }
 
-template <int MR, int NG>
-void q4_0_row_block(const uint8_t* w, const blk::ActQ8_0Sum* const* x, float* const* out, int64_t nb, int64_t n0,
-                    int64_t n1) {
-  int64_t n = n0;
-  const int64_t whole = n0 + (n1 - n0) / blk::kRowGroup * blk::kRowGroup;
-  for (; n + NG * blk::kRowGroup <= whole; n += NG * blk::kRowGroup) q4_0_groups<MR, NG>(w, x, out, nb, n);
-  for (; n < whole; n += blk::kRowGroup) q4_0_groups<MR, 1>(w, x, out, nb, n);
-  for (; n < n1; n += blk::kRowGroup) q4_0_outputs_one_by_one<MR>(w, x, out, nb, n, std::min(blk::kRowGroup, n1 - n));
-}
-
 // As block_columns, for Q4_0 in row groups: [n0, n1) starts at a group's start (over_columns' chunks are whole
 // groups), and only the last chunk ends in a group of fewer rows.
 void Q4_0Rows::columns(const uint8_t* w, const blk::ActQ8_0Sum* x, float* const* out, int64_t L, int64_t nb,
                        int64_t n0, int64_t n1) {
   rows_of_x_by_four(x, out, L, nb, [&](auto mr, const blk::ActQ8_0Sum* const* rows, float* const* om) {
-    q4_0_row_block<decltype(mr)::value, 1>(w, rows, om, nb, n0, n1);
+    constexpr int MR = decltype(mr)::value;
+    by_groups<kGroup>(n0, n1, [&](int64_t n) { q4_0_group<MR>(w, rows, om, nb, n); },
+                      [&](int64_t n, int64_t g) { q4_0_outputs_one_by_one<MR>(w, rows, om, nb, n, g); });
   });
 }
 
@@ -948,23 +936,13 @@ void qk45_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_KG* const* x, fl
     }
 }
 
-template <bool kFifthBit, int MR>
-void qk45_row_block(const uint8_t* w, const blk::ActQ8_KG* const* x, float* const* out, int64_t nb, int64_t n0,
-                    int64_t n1) {
-  constexpr int64_t G = QK45Rows<kFifthBit>::kGroup;
-  for (int64_t n = n0; n < n1; n += G) {
-    if (n + G <= n1)
-      qk45_group<kFifthBit, MR>(w, x, out, nb, n);
-    else
-      qk45_outputs_one_by_one<kFifthBit, MR>(w, x, out, nb, n, n1 - n);
-  }
-}
-
 template <bool kFifthBit>
 void QK45Rows<kFifthBit>::columns(const uint8_t* w, const blk::ActQ8_KG* x, float* const* out, int64_t L,
                                   int64_t nb, int64_t n0, int64_t n1) {
   rows_of_x_by_four(x, out, L, nb, [&](auto mr, const blk::ActQ8_KG* const* rows, float* const* om) {
-    qk45_row_block<kFifthBit, decltype(mr)::value>(w, rows, om, nb, n0, n1);
+    constexpr int MR = decltype(mr)::value;
+    by_groups<kGroup>(n0, n1, [&](int64_t n) { qk45_group<kFifthBit, MR>(w, rows, om, nb, n); },
+                      [&](int64_t n, int64_t g) { qk45_outputs_one_by_one<kFifthBit, MR>(w, rows, om, nb, n, g); });
   });
 }
 
@@ -1002,7 +980,8 @@ void q6_k_group(const uint8_t* w, const blk::ActQ8_K* const* x, float* const* ou
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block + 208 * G)));
     __m512 scale[16];
     for (int j = 0; j < 16; ++j)
-      scale[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(scales + G * j)))));
+      scale[j] = _mm512_mul_ps(
+          d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(scales + G * j)))));
     __m512i scale_pairs[8];  // int32 lane r: the int16 pair (sc_2i, sc_2i+1) of row r
     for (int i = 0; i < 8; ++i) {
       const __m128i a = _mm_loadu_si128((const __m128i*)(scales + G * 2 * i));
@@ -1012,7 +991,7 @@ void q6_k_group(const uint8_t* w, const blk::ActQ8_K* const* x, float* const* ou
     __m512 t[MR];
     for (int m = 0; m < MR; ++m) t[m] = _mm512_setzero_ps();
     for (int h = 0; h < 2; ++h)
-      for (int quarter = 0; quarter < 2; ++quarter) {  // units u = 4 quarter .. 4 quarter + 3: sub-blocks 8h + quarter + 2k
+      for (int quarter = 0; quarter < 2; ++quarter) {  // units u = 4 quarter + 0..3: sub-blocks 8h + quarter + 2k
         __m512i sum[MR][4];
         for (int m = 0; m < MR; ++m)
           for (int k = 0; k < 4; ++k) sum[m][k] = _mm512_setzero_si512();
@@ -1089,22 +1068,12 @@ void q6_k_outputs_one_by_one(const uint8_t* w, const blk::ActQ8_K* const* x, flo
     }
 }
 
-template <int MR>
-void q6_k_row_block(const uint8_t* w, const blk::ActQ8_K* const* x, float* const* out, int64_t nb, int64_t n0,
-                    int64_t n1) {
-  constexpr int64_t G = Q6_KRows::kGroup;
-  for (int64_t n = n0; n < n1; n += G) {
-    if (n + G <= n1)
-      q6_k_group<MR>(w, x, out, nb, n);
-    else
-      q6_k_outputs_one_by_one<MR>(w, x, out, nb, n, n1 - n);
-  }
-}
-
 void Q6_KRows::columns(const uint8_t* w, const blk::ActQ8_K* x, float* const* out, int64_t L, int64_t nb,
                        int64_t n0, int64_t n1) {
   rows_of_x_by_four(x, out, L, nb, [&](auto mr, const blk::ActQ8_K* const* rows, float* const* om) {
-    q6_k_row_block<decltype(mr)::value>(w, rows, om, nb, n0, n1);
+    constexpr int MR = decltype(mr)::value;
+    by_groups<kGroup>(n0, n1, [&](int64_t n) { q6_k_group<MR>(w, rows, om, nb, n); },
+                      [&](int64_t n, int64_t g) { q6_k_outputs_one_by_one<MR>(w, rows, om, nb, n, g); });
   });
 }
 #endif

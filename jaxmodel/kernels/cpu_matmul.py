@@ -357,7 +357,7 @@ ROW_GROUPS = {2: 8, 12: 16, 13: 16, 14: 16}
 _GROUP_SEGMENTS = {
     2: ((0, 2, 2), (2, 18, 4)),  # Q4_0: d; 16 bytes of nibbles, four at a time
     12: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 144, 4)),  # Q4_K: d; dmin; 12 scale bytes, one at a time; nibbles
-    13: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),  # Q5_K: the same, the fifth bits before the nibbles
+    13: ((0, 2, 2), (2, 4, 2), (4, 16, 1), (16, 48, 4), (48, 176, 4)),  # Q5_K: the same, fifth bits before nibbles
     14: ((0, 128, 4), (128, 192, 4), (192, 208, 1), (208, 210, 2)),  # Q6_K: ql; qh; 16 int8 scales; d
 }
 
@@ -413,14 +413,14 @@ def _regroup_block_rows(blocks, qtype: int, to_kernel: bool):
 
 def interleave_block_rows(blocks, qtype: int):
     """A Q4_0, Q4_K, Q5_K or Q6_K weight's blocks [N, row_bytes] (uint8, numpy or jax) in the file's order -> the row
-    groups' order: rows in groups of ROW_GROUPS[qtype] (8 for Q4_0, 16 for the others; the last may hold fewer, g), each group
-    block after block, a block's bytes for the g rows segment by segment (`_GROUP_SEGMENTS`), each segment unit by
-    unit, a unit's bytes of every row in turn. Q4_0: the g f16 scales, then for q = 0..3 bytes 4q..4q+3 of each
-    row's nibbles, so a 32-byte vector of quad q holds weights 4q..4q+3 (low nibbles) and 16+4q..16+4q+3 (high
-    nibbles) of each of eight rows, one row per lane of an integer product. Q4_K: the g d's, the g dmin's, scale
-    byte i of each row for i = 0..11, then the nibbles four bytes at a time (a 64-byte vector: four weights of two
-    sub-blocks of each of sixteen rows); Q5_K likewise, its 32 bytes of fifth bits four at a time before the
-    nibbles. Q6_K: ql and qh four bytes at a time, the 16 scale bytes one at a time, d.
+    groups' order: rows in groups of ROW_GROUPS[qtype] (8 for Q4_0, 16 for the others; the last may hold fewer,
+    g), each group block after block, a block's bytes for the g rows segment by segment (`_GROUP_SEGMENTS`), each
+    segment unit by unit, a unit's bytes of every row in turn. Q4_0: the g f16 scales, then for q = 0..3 bytes
+    4q..4q+3 of each row's nibbles, so a 32-byte vector of quad q holds weights 4q..4q+3 (low nibbles) and
+    16+4q..16+4q+3 (high nibbles) of each of eight rows, one row per lane of an integer product. Q4_K: the g d's,
+    the g dmin's, scale byte i of each row for i = 0..11, then the nibbles four bytes at a time (a 64-byte vector:
+    four weights of two sub-blocks of each of sixteen rows); Q5_K likewise, its 32 bytes of fifth bits four at a
+    time before the nibbles. Q6_K: ql and qh four bytes at a time, the 16 scale bytes one at a time, d.
 
     Example, two Q4_0 rows a, b (one group, g = 2) of one block: da db a[0:4] b[0:4] a[4:8] b[4:8] ... a[12:16]
     b[12:16] (a[i]: byte i of a's nibbles, weights i and 16 + i)."""
