@@ -93,7 +93,7 @@ def mtp_chain_drafts(model: Model, seq: list[int], hidden: np.ndarray, points: l
     state = ModelState(
         k_pages=state.k_pages[:-1] + (private(state.k_pages[-1]),),
         v_pages=state.v_pages[:-1] + (private(state.v_pages[-1]),),
-        conv=state.conv, ssm=state.ssm, hidden=state.hidden, replay=state.replay,
+        conv=state.conv, ssm=state.ssm, hidden=state.hidden, replay=state.replay, backlog=state.backlog,
     )  # fmt: skip
     B = bucket(n)
     h_in = np.zeros((B, 1, model.cfg.n_embd), np.float32)

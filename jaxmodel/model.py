@@ -87,7 +87,8 @@ def forward(
     hidden = rms_norm(x, weights.output_norm, cfg.norm_eps)
     out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, weights.output, batch.n_tokens), hidden=hidden)
     new_state = ModelState(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm),
-                           hidden=_write_hidden(state.hidden, hidden, batch, final_only), replay=tuple(replay))
+                           hidden=_write_hidden(state.hidden, hidden, batch, final_only), replay=tuple(replay),
+                           backlog=state.backlog)
     return out, new_state
 
 
@@ -187,9 +188,10 @@ class Model:
         return self.weights.mtp is not None
 
     def new_state(self, n_pages: int, n_planes: int, page_size: int = 16, replay_slots: int = 0,
-                  replay_tokens: int = 0, kv_dtype=jnp.float32) -> ModelState:
+                  replay_tokens: int = 0, kv_dtype=jnp.float32, backlog_slots: int = 0,
+                  backlog_tokens: int = 0) -> ModelState:
         return init_state(self.cfg, n_pages, n_planes, page_size, kv_dtype=kv_dtype, replay_slots=replay_slots,
-                          replay_tokens=replay_tokens)
+                          replay_tokens=replay_tokens, backlog_slots=backlog_slots, backlog_tokens=backlog_tokens)
 
     def score(self, token_ids, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
         """Logits [T, V] and post-norm hidden [T, E] of one fresh sequence, through the batched step.

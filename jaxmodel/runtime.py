@@ -25,8 +25,8 @@ from .host_io import PackedCall
 from .model import Model, rebuild
 from .ngram_lookup import LOOKUP_MAX_N
 from .sampling import SamplingParams
-from .speculative import (ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain, rebuild_pass_rows,
-                          speculative_step)
+from .speculative import (BacklogInputs, ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain,
+                          rebuild_pass_rows, speculative_step)
 from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, bytes_per_plane, pack_batch
 
 
@@ -72,6 +72,11 @@ class StepRow:
     state after the last draft, into `row.write_planes` at the row's last token (and nothing else), rebuilt from
     the read plane when a draft is rejected; only for rows without replayed tokens before `last`. Needs a runtime
     with a replay pool of at least len(drafts) tokens.
+    backlog_slot: the row's slot in the MTP head's backlog (`state.HeadBacklog`; -1: none), one per sequence that
+    names the head, owned by the caller. Where the row's head only catches up (n_chain 0, no MTP chain in later
+    iterations), the call holds the catch-up there while the slot has room and runs no head pass for the row; the
+    held tokens are caught up in the first call in which the head chains or the slot could overflow. The caller
+    empties a slot it gives to another sequence (`Runtime.release_backlog`).
     """
 
     row: Row
@@ -82,6 +87,7 @@ class StepRow:
     loop: RowLoop | None = None
     replay: bool = False
     optimistic: bool = False
+    backlog_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -274,7 +280,9 @@ class Runtime:
     large (`PER_ROW_REBUILD_MIN_BYTES`), and all elsewhere. lookup_drafts: the most drafts a row drafting by n-gram
     lookup on device (`RowLoop.lookup`) feeds per later iteration; 0: no row does, and no lookup compiles. Calls
     with such rows compile apart, for first iterations of up to `lookup_width` tokens: their later iterations run at
-    lookup_width tokens where some row feeds drafts and at one token where none does. split_chunks: a step with
+    lookup_width tokens where some row feeds drafts and at one token where none does. backlog_slots x
+    backlog_tokens: the MTP head's backlog (`StepRow.backlog_slot`); none when either is 0 or no MTP head drafts
+    here. split_chunks: a step with
     prompt chunks (rows of more than LOOP_MAX_TOKENS tokens) runs them in calls of at most CHUNK_CALL_ROWS rows,
     apart from its short rows, where that pads fewer slots (see `step`, `chunk_calls`); by default on CPU.
     """
@@ -283,7 +291,8 @@ class Runtime:
                  shapes: Shapes | None = None, n_chain_max: int = 0, max_iterations: int = 1,
                  stop_ids: Sequence[int] = (), draft_vocab: int | None = None, replay_tokens: int = 0,
                  replay_slots: int | None = None, rebuild_rows: int | None = None, lookup_drafts: int = 0,
-                 split_chunks: bool | None = None, kv_dtype="float32"):
+                 split_chunks: bool | None = None, kv_dtype="float32", backlog_slots: int = 0,
+                 backlog_tokens: int = 0):
         self.model = model
         self.split_chunks = jax.default_backend() == "cpu" if split_chunks is None else split_chunks
         self.page_size = page_size
@@ -299,8 +308,13 @@ class Runtime:
         if replay_slots is None:
             replay_slots = shapes.max_rows if shapes is not None else 1
         replay_slots = replay_slots if model.cfg.gdn_layers else 0
+        if not self.mtp_chain_max:
+            backlog_slots = 0
         self.state = model.new_state(n_pages=n_pages, n_planes=n_planes, page_size=page_size,
-                                     replay_slots=replay_slots, replay_tokens=replay_tokens, kv_dtype=kv_dtype)
+                                     replay_slots=replay_slots, replay_tokens=replay_tokens, kv_dtype=kv_dtype,
+                                     backlog_slots=backlog_slots, backlog_tokens=backlog_tokens)  # fmt: skip
+        # Per backlog slot: the tokens it holds (the device's count, read back after each call).
+        self.backlog_held = [0] * (backlog_slots if self.state.backlog is not None else 0)
         if rebuild_rows is None:
             per_row = jax.default_backend() == "cpu" and bytes_per_plane(model.cfg) >= PER_ROW_REBUILD_MIN_BYTES
             rebuild_rows = 1 if per_row else 0
@@ -333,6 +347,10 @@ class Runtime:
     @property
     def mtp_chain_max(self) -> int:
         return self.n_chain_max if self.model.has_mtp else 0
+
+    def release_backlog(self, slot: int) -> None:
+        """Forget what a backlog slot holds (its sequence ended; its positions' head KV is no longer wanted)."""
+        self.backlog_held[slot] = 0
 
     def _pack(self, rows: Sequence[Row], prefill_only: bool):
         """The padded batch, and whether it runs as final-only (long prefill-only steps)."""
@@ -389,7 +407,9 @@ class Runtime:
         lookup = (max_iterations > 1 and T <= self.lookup_width
                   and any(r.loop is not None and r.loop.lookup for r in rows))  # fmt: skip
         loop = self._loop_inputs(rows, B, min(iterations, max_iterations), lookup) if max_iterations > 1 else None
-        inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop,
+        width = max(min(T, 1 + self.mtp_chain_max), self.lookup_width if lookup else 0)  # a later iteration's
+        backlog = self._backlog_inputs(rows, B, loop, width)
+        inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop, backlog=backlog,
                       replay=self._replay_inputs(rows, B, T, final_only, lookup))
         (out, more), self.state = self._step(
             self.model.weights, self.state, inputs, final_only=final_only, n_max=self.mtp_chain_max,
@@ -400,6 +420,10 @@ class Runtime:
         # Python ints a row at a time, not numpy scalars an element at a time: a call of 64 iterations of 16 rows
         # returns about a thousand of them.
         n_accepted, n_drafted = n_accepted.tolist(), n_drafted.tolist()
+        if backlog is not None:
+            for slot, held in zip(backlog.slot.tolist(), out.held.tolist()):
+                if slot >= 0:
+                    self.backlog_held[slot] = held
         if more is not None:
             ran, more_accepted, more_drafts = more.ran.T, more.n_accepted.T.tolist(), more.n_drafts.T.tolist()
         results = []
@@ -438,6 +462,28 @@ class Runtime:
                 plane[b] = r.row.write_planes[-1 if r.optimistic else r.row.logit_rows[0]]
                 optimistic[b] = r.optimistic
         return ReplayInputs(plane, optimistic)
+
+    def _backlog_inputs(self, rows: Sequence[StepRow], B: int, loop: LoopInputs | None,
+                        width: int) -> BacklogInputs | None:
+        """Which rows flush and which hold (`BacklogInputs`), None without a backlog. A row holds where its head only
+        catches up (n_chain 0 and no MTP chain in its later iterations); it flushes where it holds something and
+        either chains or its slot might not have room for every token the call may commit for it: its fed tokens,
+        then its bonus and up to its drafts (at most width - 1) an iteration after the first."""
+        if self.state.backlog is None:
+            return None
+        slot, held = np.full((B,), -1, np.int32), np.zeros((B,), np.int32)
+        flush, hold = np.zeros((B,), bool), np.zeros((B,), bool)
+        capacity = self.state.backlog.capacity
+        for b, r in enumerate(rows):
+            if r.backlog_slot < 0 or r.n_chain < 0:
+                continue
+            slot[b], held[b] = r.backlog_slot, self.backlog_held[r.backlog_slot]
+            later = int(loop.n_iterations) - 1 if loop is not None and loop.loops[b] else 0
+            chains_later = later > 0 and loop.lookup_min[b] == 0 and loop.n_draft[b] > 0
+            most = len(r.row.tokens) + (later * (1 + min(int(loop.n_draft[b]), width - 1)) if later else 0)
+            hold[b] = r.n_chain == 0 and not chains_later
+            flush[b] = held[b] > 0 and (not hold[b] or held[b] + most > capacity)
+        return BacklogInputs(slot, held, flush, hold)
 
     def _loop_inputs(self, rows: Sequence[StepRow], B: int, iterations: int, lookup: bool = False) -> LoopInputs:
         """The loop's inputs. lookup: the call runs the n-gram lookup; without it, rows drafting by lookup run
@@ -524,6 +570,7 @@ class Runtime:
             for lookup in (False, True) if max_iterations > 1 and T <= self.lookup_width else (False,):
                 loop = self._loop_inputs([], B, 1, lookup) if max_iterations > 1 else None
                 inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop,
+                              backlog=self._backlog_inputs([], B, loop, 1),
                               replay=self._replay_inputs([], B, T, final_only, lookup))
                 static = dict(final_only=final_only, n_max=self.mtp_chain_max, max_iterations=max_iterations,
                               draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,

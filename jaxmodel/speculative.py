@@ -27,7 +27,7 @@ from .kernels.cpu_argmax import greedy_tokens
 from .model import Record, forward, mtp_forward, mtp_write_kv, rebuild
 from .ngram_lookup import append_tokens, ngram_lookup
 from .sampling import SamplingParams, verify
-from .state import ModelState, StepBatch, read_planes
+from .state import HeadBacklog, ModelState, StepBatch, read_planes
 from .weights import Weights, pytree
 
 
@@ -66,6 +66,20 @@ class ReplayInputs:
 
 
 @pytree
+class BacklogInputs:
+    """Rows whose MTP head holds its catch-up in a slot of the backlog (`state.HeadBacklog`), all [B]. The host
+    (`Runtime`) decides per row: flush where its head chains in this call or its slot could overflow; hold where its
+    head only catches up. A holding row runs no head pass: each iteration's kept tokens, their positions and
+    h_{p-1} go to its slot (a call in which every row holds runs the head not at all), and an iteration whose tokens
+    no longer fit catches up as it goes instead. A row with neither catches up as `ChainInputs` says."""
+
+    slot: jax.Array  # int32, the row's slot; -1: none
+    held: jax.Array  # int32, tokens its slot holds before the call
+    flush: jax.Array  # bool: the held tokens' KV is written before anything else, and the slot emptied
+    hold: jax.Array  # bool: the row's catch-up goes to its slot while it has room (its n_chain must be 0)
+
+
+@pytree
 class SpeculativeOutput:
     """Small arrays for the host."""
 
@@ -73,6 +87,7 @@ class SpeculativeOutput:
     tokens: jax.Array  # [B, R] int32: tokens[b, :n_accepted[b] + 1] are committed
     drafts: jax.Array  # [B, N] int32: the next step's drafts (MTP), drafts[b, :n_drafted[b]] are valid
     n_drafted: jax.Array  # [B] int32
+    held: jax.Array  # [B] int32: tokens the row's backlog slot holds after the call (0 without one)
 
 
 def greedy_pick(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -167,8 +182,8 @@ def _chain(weights, cfg, page_table, bonus, bonus_hidden_in, bonus_position, cha
 
 def iteration(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
-    chain: ChainInputs, replay: ReplayInputs | None = None, *, final_only: bool = False, n_max: int = 0,
-    draft_vocab: int | None = None, rebuild_rows: int = 0,
+    chain: ChainInputs, replay: ReplayInputs | None = None, backlog: BacklogInputs | None = None, *,
+    final_only: bool = False, n_max: int = 0, draft_vocab: int | None = None, rebuild_rows: int = 0,
 ) -> tuple[SpeculativeOutput, ModelState]:
     """Target forward, verification and (n_max > 0, the model has MTP) the next MTP drafts.
 
@@ -181,7 +196,8 @@ def iteration(
     without logit rows (intermediate prompt chunks) commit nothing: their n_accepted is 0 and their tokens are
     to be ignored. replay: rows in replay rollback, whose state after the accepted drafts is rebuilt after
     verification where their written plane is wrong (needs the state's replay pool), rebuild_rows rows per pass
-    (`replay_rebuild`). Returns the small outputs and the new state.
+    (`replay_rebuild`). backlog: rows whose head holds its catch-up (`BacklogInputs`; its flush is not read here,
+    `speculative_step` flushes). Returns the small outputs and the new state.
     """
     B = batch.tokens.shape[0]
     hidden_before = read_planes(state.hidden, batch.read_plane)  # [B, E] before the step overwrites planes
@@ -198,9 +214,19 @@ def iteration(
         kept_hidden = jnp.take_along_axis(out.hidden, jnp.maximum(n_kept - 1, 0)[:, None, None], axis=1)[:, 0]
         state = replay_rebuild(weights, cfg, state, replay, batch.read_plane, verify_in.n_drafts, n_accepted,
                                kept_hidden, rebuild_rows)  # fmt: skip
+    none = jnp.zeros((B,), jnp.int32)
     if n_max == 0 or weights.mtp is None:
-        empty = jnp.zeros((B, 1), jnp.int32)
-        return SpeculativeOutput(n_accepted, tokens, empty, jnp.zeros((B,), jnp.int32)), state
+        return SpeculativeOutput(n_accepted, tokens, jnp.zeros((B, 1), jnp.int32), none, none), state
+    held = none
+    if backlog is not None and state.backlog is not None:
+        T = batch.tokens.shape[1]
+        hidden_in = jnp.concatenate([hidden_before[:, None], out.hidden[:, : T - 1]], axis=1)  # h_{p-1} per token
+        # A row whose slot cannot take this iteration's tokens catches up as it goes; what it holds stays held.
+        holds = backlog.hold & (chain.n_chain >= 0) & (backlog.held + n_kept <= state.backlog.capacity)
+        pool, held = _hold(state.backlog, backlog.slot, backlog.held, batch.tokens, batch.positions, hidden_in,
+                           jnp.where(holds, n_kept, 0))  # fmt: skip
+        state = dataclasses.replace(state, backlog=pool)
+        chain = ChainInputs(jnp.where(holds, -1, chain.n_chain), chain.p_min)
     has_bonus = verify_in.commits
     bonus = jnp.take_along_axis(tokens, n_accepted[:, None], axis=1)[:, 0]
 
@@ -212,7 +238,7 @@ def iteration(
 
     no_drafts = (jnp.zeros((B, n_max), jnp.int32), jnp.zeros((B,), jnp.int32))
     (drafts, n_drafted), mtp_kv = _when(jnp.any(chain.n_chain >= 0), with_mtp, no_drafts, _mtp_kv(state))
-    return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted), _with_mtp_kv(state, mtp_kv)
+    return SpeculativeOutput(n_accepted, tokens, drafts, n_drafted, held), _with_mtp_kv(state, mtp_kv)
 
 
 def _mtp_kv(state: ModelState) -> ModelState:
@@ -335,49 +361,58 @@ def _when(pred: jax.Array, fn, otherwise, state: ModelState):
     return jax.lax.while_loop(lambda carry: pred & ~carry[0], body, (jnp.bool_(False), otherwise, state))[1:]
 
 
-@pytree
-class Deferred:
-    """The MTP inputs of a looping call's later iterations for rows whose head catches up after the loop: iteration
-    j (entry j - 1 here) fed the bonus token at the row's position start + j - 1, whose h_{p-1} the hidden pool held."""
-
-    tokens: jax.Array  # [B, K] int32
-    hidden_in: jax.Array  # [B, K, E]
-
-
-def _defer(deferred: Deferred, index: jax.Array, tokens: jax.Array, hidden_in: jax.Array) -> Deferred:
-    """Record one iteration's fed token [B] and its h_{p-1} [B, E] at `index` (for every row; only deferring
-    rows' entries are read)."""
-    return Deferred(
-        tokens=jax.lax.dynamic_update_slice_in_dim(deferred.tokens, tokens[:, None], index, axis=1),
-        hidden_in=jax.lax.dynamic_update_slice_in_dim(deferred.hidden_in, hidden_in[:, None], index, axis=1),
-    )
+def _hold(pool: HeadBacklog, slot: jax.Array, held: jax.Array, tokens: jax.Array, positions: jax.Array,
+          hidden_in: jax.Array, n: jax.Array) -> tuple[HeadBacklog, jax.Array]:
+    """Append each row's first n [B] tokens and positions [B, T] with their h_{p-1} hidden_in [B, T, E] to its slot
+    slot [B] (-1: none), after the held [B] it holds. Returns the backlog and the rows' new counts [B]."""
+    T = tokens.shape[1]
+    index = held[:, None] + jnp.arange(T)[None, :]
+    kept = (jnp.arange(T)[None, :] < n[:, None]) & (slot[:, None] >= 0)
+    slots = jnp.where(kept, slot[:, None], pool.tokens.shape[0])  # out of bounds: dropped, no copy of the pool
+    held_pool = HeadBacklog(tokens=pool.tokens.at[slots, index].set(tokens, mode="drop"),
+                            positions=pool.positions.at[slots, index].set(positions, mode="drop"),
+                            hidden=pool.hidden.at[slots, index].set(hidden_in.astype(pool.hidden.dtype), mode="drop"))
+    return held_pool, held + jnp.where(slot >= 0, n, 0)
 
 
-def _catch_up_deferred(weights: Weights, cfg: ModelConfig, page_table: jax.Array, deferred: Deferred,
-                       start: jax.Array, n_deferred: jax.Array, state: ModelState) -> ModelState:
-    """The MTP KV of each row's first n_deferred [B] deferred tokens, at positions start [B] onwards, in one pass
-    (`model.mtp_write_kv`; none where no row deferred)."""
-    batch = _kv_only_batch(deferred.tokens, start, n_deferred, page_table)
+def _flush_backlog(weights: Weights, cfg: ModelConfig, page_table: jax.Array, backlog: BacklogInputs,
+                   state: ModelState) -> tuple[jax.Array, ModelState]:
+    """The MTP KV of the held tokens of each flushing row (`model.mtp_write_kv`), one row per pass: a pass costs
+    what its held tokens do (the products skip padding), and none runs where no row flushes. page_table [B, P].
+    Returns the rows' held counts after it [B] (0 where flushed) and the state."""
+    pool = state.backlog
+    D = pool.capacity
+    order = jnp.argsort(~backlog.flush, stable=True).astype(jnp.int32)  # the flushing rows first
 
-    def write(mtp_kv):
-        return (), mtp_write_kv(weights, cfg, batch, deferred.hidden_in, mtp_kv)
+    def one_row(i, carry):
+        mtp_kv, held = carry
+        b = order[i]
+        s = backlog.slot[b]
+        batch = StepBatch(tokens=pool.tokens[s][None], positions=pool.positions[s][None], n_tokens=held[b][None],
+                          page_table=page_table[b][None], read_plane=jnp.zeros((1,), jnp.int32),
+                          write_planes=jnp.full((1, D), -1, jnp.int32), logit_rows=jnp.zeros((1, 0), jnp.int32))
+        return mtp_write_kv(weights, cfg, batch, pool.hidden[s][None], mtp_kv), held.at[b].set(0)
 
-    _, mtp_kv = _when(jnp.any(n_deferred > 0), write, (), _mtp_kv(state))
-    return _with_mtp_kv(state, mtp_kv)
+    # The counts come out of the loop so that the call's later writes to the backlog (indexed by them) follow its
+    # reads: unordered, XLA copied the whole pool every call to keep them apart.
+    mtp_kv, held = jax.lax.fori_loop(0, jnp.sum(backlog.flush, dtype=jnp.int32), one_row,
+                                     (_mtp_kv(state), backlog.held))
+    return held, _with_mtp_kv(state, mtp_kv)
 
 
 def speculative_step(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, verify_in: VerifyInputs,
-    chain: ChainInputs, loop: LoopInputs | None = None, replay: ReplayInputs | None = None, *,
-    final_only: bool = False, n_max: int = 0, max_iterations: int = 1, draft_vocab: int | None = None,
-    rebuild_rows: int = 0, lookup_width: int = 0,
+    chain: ChainInputs, loop: LoopInputs | None = None, replay: ReplayInputs | None = None,
+    backlog: BacklogInputs | None = None, *, final_only: bool = False, n_max: int = 0, max_iterations: int = 1,
+    draft_vocab: int | None = None, rebuild_rows: int = 0, lookup_width: int = 0,
 ) -> tuple[tuple[SpeculativeOutput, LoopOutput | None], ModelState]:
     """One engine step in one call: `iteration` over the batch, then, for the rows `loop` lets continue, up to
     loop.n_iterations - 1 more iterations (each feeding the bonus token and the drafts of the MTP head or the n-gram
     lookup), stopping a row at an end-of-generation id, its token budget or the end of its pages.
 
-    Rows whose MTP head only catches up (n_chain 0) and that feed no drafts defer their later iterations' catch-up
-    to one pass after the loop (`Deferred`).
+    backlog: rows whose MTP head holds its catch-up across calls (`BacklogInputs`): the flushing rows' held tokens
+    are caught up first, then the holding rows' every iteration adds its kept tokens to their slots. (A row that
+    only catches up without a slot does so in each iteration.)
 
     lookup_width: 0, or the tokens of a later iteration when some row drafts by lookup (its drafts then come from
     its history, and a row may start drafting after a plain first iteration). Such a call runs each later iteration
@@ -390,8 +425,13 @@ def speculative_step(
     Returns the first iteration's output (its drafts are the ones after the row's last iteration), the later
     iterations' record (None without `loop`) and the state.
     """
-    first, state = iteration(weights, cfg, batch, state, verify_in, chain, replay, final_only=final_only,
-                             n_max=n_max, draft_vocab=draft_vocab, rebuild_rows=rebuild_rows)  # fmt: skip
+    holding = backlog is not None and state.backlog is not None and n_max > 0 and weights.mtp is not None
+    if holding:
+        held, state = _flush_backlog(weights, cfg, batch.page_table, backlog, state)
+        backlog = dataclasses.replace(backlog, held=held)
+    first, state = iteration(weights, cfg, batch, state, verify_in, chain, replay, backlog if holding else None,
+                             final_only=final_only, n_max=n_max, draft_vocab=draft_vocab,
+                             rebuild_rows=rebuild_rows)  # fmt: skip
     if loop is None or max_iterations <= 1:
         return (first, None), state
     B, T = batch.tokens.shape
@@ -424,16 +464,8 @@ def speculative_step(
         return jnp.where(looking[:, None], found, mtp), jnp.where(looking, n_found, n_drafted)
 
     offered, n_offered = offers(first.drafts, first.n_drafted, history, history_len)
-    # Rows whose MTP head only catches up and whose later iterations feed no drafts commit one token an iteration,
-    # the bonus it feeds: their catch-up waits for the end of the call, one pass over all their later iterations'
-    # tokens instead of one per iteration (no draft of the call reads those positions' MTP KV).
-    deferring = (chain.n_chain == 0) & (loop.n_draft == 0) & (loop.lookup_min == 0)
-    deferred = None
-    if n_max > 0 and weights.mtp is not None:
-        deferred = Deferred(tokens=jnp.zeros((B, K), jnp.int32),
-                            hidden_in=jnp.zeros((B, K, state.hidden.shape[-1]), state.hidden.dtype))
     carry = (1, active, live, start, bonus, first.drafts, first.n_drafted, offered, n_offered, n_committed, history,
-             history_len, record, deferred, state)  # fmt: skip
+             history_len, record, first.held, state)  # fmt: skip
 
     def n_fed_of(carry):  # drafts each row feeds in the next iteration
         active, n_offered = carry[1], carry[8]
@@ -449,7 +481,7 @@ def speculative_step(
 
         def body(carry):
             (j, active, live, start, bonus, drafts, n_drafted, offered, _, n_committed, history, history_len, record,
-             deferred, state) = carry  # fmt: skip
+             held, state) = carry  # fmt: skip
             n_fed = n_fed_of(carry)
             tokens = jnp.concatenate([bonus[:, None], offered[:, : width - 1]], axis=1)
             tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, width]
@@ -464,16 +496,18 @@ def speculative_step(
             )  # fmt: skip
             verify_j = VerifyInputs(tokens[:, 1:], n_fed, start + 1, active, verify_in.sampling)
             # A row drafting by lookup has its MTP head (where its request has one) only catch up: a chain's drafts
-            # would be discarded for the lookup's. A deferring row's head catches up once, after the loop.
+            # would be discarded for the lookup's. A holding row's catch-up goes to its backlog slot.
             n_chain_j = jnp.where(loop.lookup_min > 0, 0, loop.n_draft)
-            chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0) & ~deferring, n_chain_j, -1), chain.p_min)
-            if deferred is not None:
-                deferred = _defer(deferred, j - 1, bonus, read_planes(state.hidden, live))
+            chain_j = ChainInputs(jnp.where(active & (chain.n_chain >= 0), n_chain_j, -1), chain.p_min)
+            backlog_j = None
+            if holding:
+                backlog_j = BacklogInputs(backlog.slot, held, backlog.flush, backlog.hold & active)
             replaying = active & loop.replay & (n_fed > 0)
             replay_j = None if replay is None else ReplayInputs(
                 jnp.where(replaying, write_pool[:, 0], -1), replaying & loop.optimistic)  # fmt: skip
-            out, state = iteration(weights, cfg, step, state, verify_j, chain_j, replay_j, n_max=n_max,
+            out, state = iteration(weights, cfg, step, state, verify_j, chain_j, replay_j, backlog_j, n_max=n_max,
                                    draft_vocab=draft_vocab, rebuild_rows=rebuild_rows)  # fmt: skip
+            held = out.held if holding else held
             a = out.n_accepted
             tokens_out = jnp.pad(out.tokens, ((0, 0), (0, W - width)), constant_values=-1)  # [B, W]
             record = LoopOutput(ran=record.ran.at[j - 1].set(active), n_accepted=record.n_accepted.at[j - 1].set(a),
@@ -491,7 +525,7 @@ def speculative_step(
                       & (start + loop.n_draft < loop.capacity))  # fmt: skip
             offered, n_offered = offers(drafts, n_drafted, history, history_len)
             return (j + 1, active, live, start, bonus, drafts, n_drafted, offered, n_offered, n_committed, history,
-                    history_len, record, deferred, state)  # fmt: skip
+                    history_len, record, held, state)  # fmt: skip
 
         return body
 
@@ -508,11 +542,8 @@ def speculative_step(
         carry = jax.lax.while_loop(more, runs, carry)
     else:
         carry = jax.lax.while_loop(more, iterate(W), carry)
-    drafts, n_drafted, record, deferred, state = carry[5], carry[6], carry[12], carry[13], carry[14]
-    if deferred is not None:
-        n_deferred = jnp.where(deferring, jnp.sum(record.ran, axis=0, dtype=jnp.int32), 0)  # a prefix of iterations
-        state = _catch_up_deferred(weights, cfg, batch.page_table, deferred, start, n_deferred, state)
-    first = SpeculativeOutput(first.n_accepted, first.tokens, drafts, n_drafted)
+    drafts, n_drafted, record, held, state = carry[5], carry[6], carry[12], carry[13], carry[14]
+    first = SpeculativeOutput(first.n_accepted, first.tokens, drafts, n_drafted, held)
     return (first, record), state
 
 

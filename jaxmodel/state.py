@@ -21,6 +21,23 @@ TRASH_PAGE = 0
 
 
 @pytree
+class HeadBacklog:
+    """The MTP head's held catch-up, per slot (one per running sequence whose request names the head): the MTP inputs
+    of committed tokens whose head KV is not written yet. A row whose head does not draft in a call holds its
+    catch-up here instead of running the head; the KV is written in one pass when the head drafts again or the
+    slot would overflow (`jaxmodel.speculative.BacklogInputs`), and never where the sequence ends first."""
+
+    tokens: jax.Array  # [S, D] int32
+    positions: jax.Array  # [S, D] int32
+    hidden: jax.Array  # [S, D, E] float32: h_{p-1}, the target's post-norm hidden before each token's position p
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one slot holds."""
+        return self.tokens.shape[1]
+
+
+@pytree
 class ModelState:
     k_pages: tuple[jax.Array, ...]  # per attention layer (+1 for the MTP block): [n_pages, page_size, Hkv, D]
     v_pages: tuple[jax.Array, ...]
@@ -34,6 +51,7 @@ class ModelState:
     # verification in the same device call to rebuild the state after the last accepted draft. () when the
     # runtime has no replay pool.
     replay: tuple[jax.Array, ...] = ()
+    backlog: HeadBacklog | None = None  # the MTP head's held catch-up; None without an MTP head or a backlog pool
 
     @property
     def n_pages(self) -> int:
@@ -97,10 +115,22 @@ def replay_bytes_per_token(cfg: ModelConfig) -> int:
     return 4 * replay_width(cfg) * len(cfg.gdn_layers)
 
 
+def backlog_bytes_per_token(cfg: ModelConfig) -> int:
+    """Bytes one held token takes in the MTP head's backlog (`HeadBacklog`): its id, position and h_{p-1}."""
+    return 8 + 4 * cfg.n_embd
+
+
 def init_state(cfg: ModelConfig, n_pages: int, n_planes: int, page_size: int = 16, kv_dtype=jnp.float32,
-               replay_slots: int = 0, replay_tokens: int = 0) -> ModelState:
+               replay_slots: int = 0, replay_tokens: int = 0, backlog_slots: int = 0,
+               backlog_tokens: int = 0) -> ModelState:
     """Zeroed pools. n_pages and n_planes include the trash page and the null plane. replay_slots x replay_tokens:
-    the replay pool (rows of a step x draft tokens recorded per row); none when either is 0."""
+    the replay pool (rows of a step x draft tokens recorded per row); none when either is 0. backlog_slots x
+    backlog_tokens: the MTP head's backlog (`HeadBacklog`); none when either is 0 or the model has no MTP block."""
+    backlog = None
+    if cfg.n_mtp and backlog_slots and backlog_tokens:
+        backlog = HeadBacklog(tokens=jnp.zeros((backlog_slots, backlog_tokens), jnp.int32),
+                              positions=jnp.zeros((backlog_slots, backlog_tokens), jnp.int32),
+                              hidden=jnp.zeros((backlog_slots, backlog_tokens, cfg.n_embd), jnp.float32))
     attn_layers = len(cfg.attn_layers) + cfg.n_mtp
     kv_shape = (n_pages, page_size, cfg.n_head_kv, cfg.head_dim)
     n_gdn = len(cfg.gdn_layers)
@@ -112,6 +142,7 @@ def init_state(cfg: ModelConfig, n_pages: int, n_planes: int, page_size: int = 1
         hidden=jnp.zeros((n_planes, cfg.n_embd), jnp.float32),
         replay=tuple(jnp.zeros((replay_slots, replay_tokens, replay_width(cfg)), jnp.float32)
                      for _ in range(n_gdn) if replay_slots and replay_tokens),
+        backlog=backlog,
     )
 
 

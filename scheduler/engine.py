@@ -29,7 +29,8 @@ from drafters.base import DraftRequest, Drafter
 from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
 from jaxmodel.model import Model
 from jaxmodel.runtime import RowLoop, RowResult, Runtime, Shapes, StepRow
-from jaxmodel.state import KV_DTYPES, bytes_per_plane, kv_bytes_per_page, replay_bytes_per_token
+from jaxmodel.state import (KV_DTYPES, backlog_bytes_per_token, bytes_per_plane, kv_bytes_per_page,
+                            replay_bytes_per_token)
 
 from .core import Scheduler
 from .memory import MemoryManager, RollbackCosts, pages_for, pool_sizes, replay_plane_wrong
@@ -108,6 +109,10 @@ DEFAULT_DRAFT_VOCAB = None
 # The most drafts an n-gram lookup feeds per iteration inside a device call (`Drafter.device_lookup`); its later
 # iterations are compiled at 1 + this many tokens (and at one, for iterations in which no row finds a match).
 LOOKUP_DRAFTS = 3
+# Tokens the MTP head's backlog holds per running sequence (`jaxmodel.state.HeadBacklog`): a sequence whose head is
+# declined runs no head pass until the head drafts again, the sequence ends, or this many tokens are held. Fewer
+# where the backlog would take more than an eighth of the budget (in multiples of 16; none below 16).
+HEAD_BACKLOG_TOKENS = 256
 
 
 def tokens_per_iteration(first: int, results: Sequence[RowResult], n_iterations: int) -> float:
@@ -172,6 +177,10 @@ class Engine:
         # Planes for every sequence to snapshot a full draft, but never more than half the budget.
         planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // max(plane_bytes, 1) // max_running))
         replay_tokens = n_max if cfg.gdn_layers else 0  # the replay pool: a full draft for every row of a step
+        backlog_tokens = 0
+        if model.has_mtp and n_max > 0:
+            fitting = budget_bytes // 8 // (max_running * backlog_bytes_per_token(cfg))
+            backlog_tokens = min(HEAD_BACKLOG_TOKENS, fitting // 16 * 16)
         sizes = pool_sizes(
             budget_bytes,
             page_bytes=kv_bytes_per_page(cfg, page_size, kv_dtype),
@@ -181,6 +190,7 @@ class Engine:
             planes_per_seq=planes_per_seq,
             replay_tokens=replay_tokens,
             replay_token_bytes=replay_bytes_per_token(cfg),
+            backlog_bytes=max_running * backlog_tokens * backlog_bytes_per_token(cfg),
         )
         self.model = model
         self._draft_model = draft_model
@@ -203,7 +213,10 @@ class Engine:
                                shapes=shapes, n_chain_max=n_max if model.has_mtp else 0, max_iterations=iterations,
                                stop_ids=self.stop_token_ids, draft_vocab=draft_vocab,
                                replay_tokens=sizes.replay_tokens,
-                               lookup_drafts=LOOKUP_DRAFTS if lookups else 0, kv_dtype=kv_dtype)  # fmt: skip
+                               lookup_drafts=LOOKUP_DRAFTS if lookups else 0, kv_dtype=kv_dtype,
+                               backlog_slots=max_running, backlog_tokens=backlog_tokens)  # fmt: skip
+        self._backlog_slots: dict[SeqId, int] = {}  # sequence -> its slot in the MTP head's backlog
+        self._free_backlog_slots = list(range(len(self.runtime.backlog_held)))
         self.memory = MemoryManager(sizes)
         detokenizer = tokenizer.detokenizer if tokenizer is not None else _NullDetokenizer
         self.scheduler = Scheduler(
@@ -404,7 +417,17 @@ class Engine:
                            replay=row.mode == "replay", optimistic=row.optimistic, lookup=lookup,
                            history=self.scheduler.tokens(row.seq_id) if lookup else ())  # fmt: skip
         return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop,
-                       replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic)
+                       replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic,
+                       backlog_slot=self._backlog_slot(row.seq_id) if n_chain >= 0 else -1)
+
+    def _backlog_slot(self, seq_id: SeqId) -> int:
+        """The sequence's slot in the MTP head's backlog, taken at its first row that runs the head (-1 where none
+        is free: a preempted sequence keeps its slot while it waits, so slots can run out; its head then catches up
+        as it goes)."""
+        slot = self._backlog_slots.get(seq_id)
+        if slot is None and self._free_backlog_slots:
+            slot = self._backlog_slots[seq_id] = self._free_backlog_slots.pop()
+        return -1 if slot is None else slot
 
     def _plan_drafts(self) -> dict[SeqId, list[Choice]]:
         """The policy's drafters and lengths, in order, for every sequence that may draft this step, chosen before
@@ -491,6 +514,10 @@ class Engine:
             except Exception:  # a faulty drafter must not keep the others from releasing
                 log.exception("drafter %r failed to release sequence %s", drafter.name, seq_id)
         self.policy.release(seq_id)
+        slot = self._backlog_slots.pop(seq_id, None)
+        if slot is not None:
+            self.runtime.release_backlog(slot)
+            self._free_backlog_slots.append(slot)
 
     # ------------------------------------------------------------------------------------------------ faults
 

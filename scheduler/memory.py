@@ -73,9 +73,10 @@ class PoolSizes:
 
 
 def pool_sizes(total_bytes: int, *, page_bytes: int, plane_bytes: int, page_size: int, max_running: int,
-               planes_per_seq: int = 2, replay_tokens: int = 0, replay_token_bytes: int = 0) -> PoolSizes:
+               planes_per_seq: int = 2, replay_tokens: int = 0, replay_token_bytes: int = 0,
+               backlog_bytes: int = 0) -> PoolSizes:
     """Spend `total_bytes` on the replay pool (max_running rows of replay_tokens tokens, replay_token_bytes each),
-    1 + max_running * planes_per_seq planes and the rest on KV pages.
+    the MTP head's backlog (backlog_bytes), 1 + max_running * planes_per_seq planes and the rest on KV pages.
 
     page_bytes / plane_bytes: bytes of one KV page (all attention layers, K and V) and one GDN plane (all GDN
     layers, conv and recurrent state); `jaxmodel.state` computes both from a model config, and a token's replay
@@ -86,10 +87,11 @@ def pool_sizes(total_bytes: int, *, page_bytes: int, plane_bytes: int, page_size
         raise ValueError(f"planes_per_seq must be >= 2, got {planes_per_seq}")
     n_planes = 1 + max_running * planes_per_seq
     replay_bytes = max_running * replay_tokens * replay_token_bytes
-    n_pages = (total_bytes - replay_bytes - n_planes * plane_bytes) // page_bytes
+    n_pages = (total_bytes - replay_bytes - backlog_bytes - n_planes * plane_bytes) // page_bytes
     if n_pages < 2:
-        raise ValueError(f"{total_bytes} bytes do not hold a replay pool of {replay_bytes} bytes, {n_planes} "
-                         f"planes of {plane_bytes} bytes and 2 pages of {page_bytes} bytes")
+        raise ValueError(f"{total_bytes} bytes do not hold a replay pool of {replay_bytes} bytes, an MTP backlog "
+                         f"of {backlog_bytes} bytes, {n_planes} planes of {plane_bytes} bytes and 2 pages of "
+                         f"{page_bytes} bytes")
     return PoolSizes(n_pages=int(n_pages), n_planes=n_planes, page_size=page_size, replay_tokens=replay_tokens)
 
 

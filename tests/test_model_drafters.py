@@ -29,7 +29,11 @@ def runtime_of(model: Model) -> Runtime:
     """A runtime with fresh pools, of the one configuration the tests below share (but those whose point needs
     another): each distinct pool size, bound or padded shape is another set of compilations."""
     return Runtime(model, n_pages=9, n_planes=11, n_chain_max=3, replay_tokens=3, max_iterations=6, lookup_drafts=3,
-                   shapes=Shapes(max_rows=2, max_tokens=64, max_logit_rows=4, pages_per_row=2))
+                   shapes=Shapes(max_rows=2, max_tokens=64, max_logit_rows=4, pages_per_row=2), backlog_slots=2,
+                   backlog_tokens=BACKLOG_TOKENS)  # fmt: skip
+
+
+BACKLOG_TOKENS = 16
 
 
 @pytest.mark.parametrize("chunks", [(19,), (7, 12), (1, 17, 1)])
@@ -101,13 +105,19 @@ def _check_head_caught_up(target, runtime, tokens, pages, result):
     assert result.next_drafts[0] == int(mtp_logits[-1].argmax())
 
 
+def _head_kv(runtime) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(runtime.state.k_pages[-1]).copy(), np.asarray(runtime.state.v_pages[-1]).copy()
+
+
 @pytest.mark.parametrize("beside", [None, "chain", "lookup"])
-def test_a_looping_calls_deferred_catch_up_writes_what_a_chain_reads(target, beside):
-    """A row whose head only catches up decodes 5 later iterations in one call, its head's KV written once after
-    them (`speculative.Deferred`), beside a row that chains MTP drafts, or one that drafts by lookup (whose head
-    only catches up, iteration by iteration), or alone. A chain after the call then drafts exactly what the MTP
-    head drafts over the whole sequence, for the deferring row and the lookup row, and the head's KV pages hold what
-    one MTP pass over it writes."""
+def test_a_held_catch_up_runs_no_head_pass_and_writes_what_a_chain_reads(target, beside):
+    """After a prompt caught up as it goes (no slot), a row whose head only catches up, with a backlog slot, decodes
+    5 later iterations in one call beside a row
+    that chains MTP drafts, or one that drafts by lookup (whose head only catches up, iteration by iteration), or
+    alone: its catch-up is held (`state.HeadBacklog`), and alone no head pass runs at all (the head's KV pages are
+    untouched). The next call that chains writes the held KV first: its chain drafts exactly what the MTP head
+    drafts over the whole sequence, for the holding row and the lookup row, and the head's KV pages hold what one
+    MTP pass over it writes."""
     rng = np.random.default_rng(6)
     prompts = [[int(t) for t in rng.integers(0, 509, n)] for n in (12, 8)]
     runtime = runtime_of(target)
@@ -127,9 +137,14 @@ def test_a_looping_calls_deferred_catch_up_writes_what_a_chain_reads(target, bes
             loop = RowLoop(3, planes[1], budget=12, **(lookup if beside == "lookup" else {}))
             n_chain = 3
         rows.append(StepRow(Row(first.committed, n, pages[i], planes[i][0], [planes[i][1]], [0]), n_chain=n_chain,
-                            loop=loop))  # fmt: skip
+                            loop=loop, backlog_slot=-1 if i else 0))  # fmt: skip
+    mtp_kv = _head_kv(runtime)
     results = runtime.step(rows, iterations=6)
     assert len(results[0].more) == 5 and results[0].next_drafts == []
+    assert runtime.backlog_held[0] == 6  # `last` and the bonus of 5 later iterations, all held
+    if beside is None:
+        for before, after in zip(mtp_kv, _head_kv(runtime)):
+            np.testing.assert_array_equal(before, after)
     if beside == "chain":  # its head chained in every iteration (a call of one-token rows feeds no drafts)
         assert len(results[1].next_drafts) == 3 and len(results[1].more) == 5
     if beside == "lookup":  # until 12 tokens (its budget) are in
@@ -141,8 +156,39 @@ def test_a_looping_calls_deferred_catch_up_writes_what_a_chain_reads(target, bes
             live = [plane for plane in planes[i] if plane != live][later.n_accepted]
         others = [plane for plane in planes[i] if plane != live]
         result = runtime.step([StepRow(Row(tokens[-1:], len(tokens) - 1, pages[i], live, others[:1], [0]),
-                                       n_chain=3)])[0]  # fmt: skip
+                                       n_chain=3, backlog_slot=i)])[0]  # fmt: skip
+        assert runtime.backlog_held[i] == 0
         _check_head_caught_up(target, runtime, tokens, pages[i], result)
+
+
+@pytest.mark.parametrize(("n_prompt", "expected_held"), [(12, [12, 5, 10, 15]), (17, [0, 5, 10])])
+def test_a_full_backlog_slot_is_caught_up_before_it_would_overflow(target, n_prompt, expected_held):
+    """Decoding calls whose head only catches up hold their tokens until the next call could overflow the slot,
+    which writes the held KV first (12 + 5 would overflow 16: the prompt's 12 are caught up first); tokens that do
+    not fit (a 17-token prompt) are caught up as they come. A chain at the end drafts what the head drafts over
+    the whole sequence."""
+    rng = np.random.default_rng(8)
+    prompt = [int(t) for t in rng.integers(0, 509, n_prompt)]
+    runtime = runtime_of(target)
+    pages, planes = [1, 2], (1, 2)
+    first = runtime.step([StepRow(Row(prompt, 0, pages, 0, [-1] * (n_prompt - 1) + [1], [n_prompt - 1]), n_chain=0,
+                                  backlog_slot=1)])[0]  # fmt: skip
+    tokens, live, held = prompt + first.committed, 1, [runtime.backlog_held[1]]
+    while len(tokens) < 28:  # the pages hold 32 positions
+        other = planes[1 - planes.index(live)]
+        row = Row(tokens[-1:], len(tokens) - 1, pages, live, [other], [0])
+        result = runtime.step([StepRow(row, n_chain=0, loop=RowLoop(0, planes, budget=5), backlog_slot=1)],
+                              iterations=5)[0]  # fmt: skip
+        tokens += result.committed + [t for later in result.more for t in later.committed]
+        for _ in range(1 + len(result.more)):
+            live = planes[1 - planes.index(live)]
+        held.append(runtime.backlog_held[1])
+    assert held == expected_held
+    other = planes[1 - planes.index(live)]
+    result = runtime.step([StepRow(Row(tokens[-1:], len(tokens) - 1, pages, live, [other], [0]), n_chain=3,
+                                   backlog_slot=1)])[0]  # fmt: skip
+    assert runtime.backlog_held[1] == 0
+    _check_head_caught_up(target, runtime, tokens, pages, result)
 
 
 def test_mtp_chain_stops_below_p_min(target):
