@@ -241,6 +241,19 @@ def best_length(
     return d, best
 
 
+def drafting_pays(n_rows: int, expected_accepted: float, plain_seconds: float, drafting_seconds: float) -> bool:
+    """Whether a step of n_rows rows commits more tokens per second with its drafts than without: n_rows plus the
+    drafts' expected accepted tokens in drafting_seconds (the step at its longest row's length: every row is padded
+    to it) against n_rows in plain_seconds. The batch gate: where it fails, no row of the step drafts.
+
+    >>> drafting_pays(16, 2.0, plain_seconds=0.1, drafting_seconds=0.2)  # one of 16 rows drafts 3 at alpha 0.8
+    False
+    >>> drafting_pays(16, 32.0, plain_seconds=0.1, drafting_seconds=0.2)  # all 16 do
+    True
+    """
+    return (n_rows + expected_accepted) * plain_seconds > n_rows * drafting_seconds
+
+
 # --- per-sequence state -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from drafters import standard_drafters
 from drafters.base import DraftRequest, Drafter
-from drafters.policy import Choice, DrafterPolicy, PolicyParams, SpeculativeConfig
+from drafters.policy import (Choice, DrafterPolicy, PolicyParams, SpeculativeConfig, drafting_pays,
+                             expected_accepted)
 from jaxmodel.model import Model
 from jaxmodel.runtime import RowLoop, RowResult, Runtime, Shapes, StepRow
 from jaxmodel.state import (KV_DTYPES, backlog_bytes_per_token, bytes_per_plane, kv_bytes_per_page,
@@ -34,6 +35,7 @@ from jaxmodel.state import (KV_DTYPES, backlog_bytes_per_token, bytes_per_plane,
 
 from .core import Scheduler
 from .memory import MemoryManager, RollbackCosts, pages_for, pool_sizes, replay_plane_wrong
+from .step_times import StepTimes
 from .types import (Committed, Continued, DoneEvent, DraftPlan, Event, GenerationRequest, Request, Row, SeqId,
                     StepPlan, TokensEvent)
 
@@ -235,6 +237,8 @@ class Engine:
         self.iterations = iterations
         self.max_call_seconds = max_call_seconds
         self._iteration_seconds: dict[int, float] = {}  # rows -> seconds per iteration of the last decoding call
+        self.step_times = StepTimes()  # the batch gate's prices (`_batch_declines`)
+        self._batch_declined = False  # this step's drafts did not pay for its batch: no row drafts or chains
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
         self._timings: dict[int, RequestTiming] = {}
@@ -330,11 +334,16 @@ class Engine:
         rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
         reported: their cost follows the chunk, not the drafts. The time per iteration is priced by the tokens an
         iteration verified on average, later iterations' device drafts included (`tokens_per_iteration`). Also
-        keeps the call's time per iteration for `max_call_seconds` (`_iterations`). A call that traced is not reported: its time is mostly compilation."""
+        keeps the call's time per iteration for `max_call_seconds` (`_iterations`) and, by its rows and tokens per
+        row, for the batch gate (`step_times`). A call that traced is not reported: its time is mostly
+        compilation."""
         if self.runtime.last_step_traced or not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
             return
         n_iterations = 1 + max(len(r.more) for r in results)
         self._iteration_seconds[len(rows)] = seconds / n_iterations  # the last call's, so a slow one passes
+        if self.runtime.shapes is not None:
+            tokens = self.runtime.shapes.tokens(max(len(row.tokens) for row in plan.rows))
+            self.step_times.record(self.runtime.shapes.batch(len(rows)), tokens, seconds / n_iterations)
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
@@ -403,6 +412,8 @@ class Engine:
         for drafter in self._drafters_of(row):
             n_next = self.policy.length(row.seq_id, drafter.name, config, batch_size) if self.adaptive else config.n_max
             n_chain = max(n_chain, drafter.device_chain(row.seq_id, min(n_next, self.n_max)))
+        if self._batch_declined:  # the next step's batch most likely declines too: no chain to prepare for it
+            n_chain = min(n_chain, 0)
         p_min = config.p_min if config else 0.0
         loop = None
         name, lookup = self._loop_drafter(row, choices)
@@ -443,7 +454,28 @@ class Engine:
             else:
                 choices = [Choice(name, config.n_max) for name in config.drafters]
             planned[seq_id] = [c for c in choices if c.n_draft > 0]
-        return planned
+        self._batch_declined = self.adaptive and self._batch_declines(planned, len(may_draft))
+        return {} if self._batch_declined else planned
+
+    def _batch_declines(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
+        """Whether the drafts the policy chose per sequence would cost the step's batch of n_rows rows more than
+        they return (`policy.drafting_pays`): the step at the longest draft's padded length against the plain
+        step (`step_times`: measured under load where both are, else calibrated, then with the MTP chain's
+        calibrated cost added), for every row's expected accepted drafts at its acceptance estimate. No price
+        yet: no decline."""
+        firsts = [(seq_id, options[0]) for seq_id, options in planned.items() if options]
+        if not firsts or self.runtime.shapes is None:
+            return False
+        longest = max(choice.n_draft for _, choice in firsts)
+        B, T = self.runtime.shapes.batch(n_rows), self.runtime.shapes.tokens(1 + longest)
+        prices = self.step_times.plain_and_drafting(B, T)
+        if prices is None:
+            return False
+        plain, drafting, measured = prices
+        if not measured and any(self.drafters[c.drafter].device_chain(seq_id, 1) > 0 for seq_id, c in firsts):
+            drafting += self.runtime.chain_cost(n_rows) * longest
+        gain = sum(expected_accepted(self.policy.acceptance(seq_id, c.drafter), c.n_draft) for seq_id, c in firsts)
+        return not drafting_pays(n_rows, gain, plain, drafting)
 
     def _attach_drafts(self, plan: StepPlan, choices: dict[SeqId, list[Choice]]) -> StepPlan:
         """Per sequence, the policy's drafters in order; each round batches the sequences still without a draft
@@ -505,6 +537,7 @@ class Engine:
         finally:
             self.memory.give_planes(spare)
         self.policy.calibrate(calibration.step_seconds)
+        self.step_times.calibrate({**calibration.step_seconds, **calibration.longer_step_seconds})
         freeze_heap()
 
     def _release(self, seq_id) -> None:

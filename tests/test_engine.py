@@ -21,6 +21,7 @@ from jaxmodel import load_model
 from jaxmodel.model import Model
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
+from scheduler.step_times import StepTimes
 
 MAX_TOKENS = 16
 # The most iterations one device call runs: fewer than MAX_TOKENS, so a request takes several. Set on engines built
@@ -81,6 +82,32 @@ async def collect(engine, request):
         else:
             done = event
     return tokens, done, n_from_drafts
+
+
+@pytest.mark.parametrize("drafting_costs", [1.0, 10.0])
+def test_the_policy_declines_a_batch_whose_measured_step_time_grows_with_drafting(target, prompts, references,
+                                                                                 drafting_costs):
+    """Four sequences whose drafter is always right. Where the measured steps at the drafts' length cost what a
+    plain step does, the policy drafts; where they cost ten times as much (the step's time follows its longest
+    row), no row of the batch drafts, probes included. Either way the tokens are plain greedy's."""
+    chosen = prompts[:4]
+    synthetic = SyntheticDrafter([list(p) + references[p] for p in chosen], alpha=1.0, vocab=target.cfg.n_vocab,
+                                 seed=1)  # fmt: skip
+    spec = SpeculativeConfig(("synthetic",), n_max=3)
+
+    async def main():
+        engine = engine_of(target, extra_drafters=[synthetic])
+        prices = {(B, T): 1e-3 * (drafting_costs if T > 1 else 1.0) for B in (1, 4, 6) for T in (1, 2, 4, 8, 16)}
+        engine.step_times = StepTimes(decay=1.0, measured=prices)  # these prices only, whatever the calls take
+        async with engine:
+            return await collect_staggered(engine, [(GenerationRequest(p, MAX_TOKENS, speculative=spec), 0.0)
+                                                    for p in chosen])  # fmt: skip
+
+    results = anyio.run(main)
+    for prompt, (tokens, _, _) in zip(chosen, results):
+        assert tokens == references[prompt]
+    drafted = sum(s.drafted for _, done, _ in results for s in done.drafters.values())
+    assert (drafted > 0) == (drafting_costs == 1.0)
 
 
 def test_lossless_under_concurrency_for_every_drafter_and_mode(target, draft, prompts, references):

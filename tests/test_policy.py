@@ -362,3 +362,15 @@ def test_a_kind_of_call_not_yet_measured_is_priced_by_the_other():
         policy.record_target(8.0e-3, 4, iterations=1)
     policy.record_proposal("ngram", 0.0, 3)
     assert policy.plan("s", SpeculativeConfig(("ngram",), n_max=3)) == []
+
+
+def test_the_worked_examples_of_the_batch_gate_hold():
+    """`drafting_pays` and the step prices it reads (`scheduler.step_times`): measured under load where both are,
+    calibrated otherwise, never one of each."""
+    import doctest
+
+    import drafters.policy
+    import scheduler.step_times
+
+    assert doctest.testmod(drafters.policy).failed == 0
+    assert doctest.testmod(scheduler.step_times).failed == 0
