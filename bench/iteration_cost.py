@@ -1,5 +1,6 @@
 """What one iteration of a looping device call costs, by kind, on one row: plain decoding (one token), plain decoding
-whose MTP head catches up (`catch-up`: what a request naming `mtp` costs while the policy declines to draft), a
+whose MTP head catches up in every iteration (`catch-up`: a request naming `mtp` while the policy declines to draft,
+without a backlog slot) or holds its catch-up in its backlog slot (`held`: the same with the engine's slot), a
 4-token verify whose n-gram drafts are all accepted (`lookup`, drafts found on device; `lookup-catch-up` with the MTP
 head catching up, as in a request naming `mtp,ngram`), and an MTP iteration (4-token verify, the head's catch-up and
 its chained drafts). Each is timed as a call of N iterations less a call of one, divided by the N - 1 later
@@ -24,14 +25,14 @@ import numpy as np
 
 from jaxmodel import load_model
 from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
-from jaxmodel.state import Row
+from jaxmodel.state import Row, bucket
 from jaxmodel.tokenizer import load_tokenizer
 
 from . import run_and_save
 from .prompts import load_prompt_set
 from .speculation import model_arguments
 
-KINDS = ("plain", "catch-up", "lookup", "lookup-catch-up", "mtp")
+KINDS = ("plain", "catch-up", "held", "lookup", "lookup-catch-up", "mtp")
 PAGE_SIZE = 16
 
 
@@ -55,24 +56,27 @@ def run(args) -> dict:
     n_pages = -(-(len(prompt) + n_reference + n_draft + 1) // PAGE_SIZE)
     runtime = Runtime(model, n_pages=n_pages + 2, n_planes=n_draft + 5, page_size=PAGE_SIZE, max_iterations=K,
                       n_chain_max=n_draft, lookup_drafts=n_draft,
-                      shapes=Shapes(max_rows=1, max_tokens=16, max_logit_rows=n_draft + 1, pages_per_row=n_pages))  # fmt: skip
+                      shapes=Shapes(max_rows=1, max_tokens=16, max_logit_rows=n_draft + 1, pages_per_row=n_pages),
+                      backlog_slots=1, backlog_tokens=bucket(len(prompt) + K * (n_draft + 1), 16))  # fmt: skip
     pages = list(range(1, n_pages + 1))
     kinds = [k for k in args.kinds.split(",") if k]
     if unknown := set(kinds) - set(KINDS):
         raise SystemExit(f"unknown kinds {sorted(unknown)}; choose from {KINDS}")
-    if {"mtp", "catch-up", "lookup-catch-up"} & set(kinds) and not model.has_mtp:
+    if {"mtp", "catch-up", "held", "lookup-catch-up"} & set(kinds) and not model.has_mtp:
         raise SystemExit(f"{args.model} has no MTP head")
 
     def call(kind: str, iterations: int) -> tuple[float, list[int], int]:
         mtp = kind == "mtp"
         # The MTP chain asked for (-1: the head left alone, 0: it only catches up).
-        head = {"mtp": n_draft, "catch-up": 0, "lookup-catch-up": 0}.get(kind, -1)
+        head = {"mtp": n_draft, "catch-up": 0, "held": 0, "lookup-catch-up": 0}.get(kind, -1)
+        slot = 0 if kind == "held" else -1  # the slot is emptied for every call, so that none flushes
+        runtime.release_backlog(0)
         prefill = StepRow(Row(prompt, 0, pages, 0, [-1] * (len(prompt) - 1) + [1], [len(prompt) - 1]),
-                          n_chain=head)  # fmt: skip
+                          n_chain=head, backlog_slot=slot)  # fmt: skip
         first = runtime.step([prefill])[0]
         drafts = first.next_drafts if mtp else []
         planes = tuple(range(1, n_draft + 3))  # the read plane and one per token verified
-        if kind in ("plain", "catch-up"):
+        if kind in ("plain", "catch-up", "held"):
             loop = RowLoop(0, planes, budget=10**6)
         elif kind == "mtp":
             loop = RowLoop(n_draft, planes, budget=10**6)
@@ -81,7 +85,7 @@ def run(args) -> dict:
             loop = RowLoop(n_draft, planes, budget=10**6, lookup=(2, 8), history=history)
         row = StepRow(Row([first.committed[0]] + drafts, len(prompt), pages, 1, list(range(2, 3 + len(drafts))),
                           list(range(1 + len(drafts)))), drafts=drafts, loop=loop,
-                      n_chain=head)  # fmt: skip
+                      n_chain=head, backlog_slot=slot)  # fmt: skip
         start = time.perf_counter()
         result = runtime.step([row], iterations=iterations)[0]
         seconds = time.perf_counter() - start

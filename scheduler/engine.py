@@ -343,7 +343,8 @@ class Engine:
         self._iteration_seconds[len(rows)] = seconds / n_iterations  # the last call's, so a slow one passes
         if self.runtime.shapes is not None:
             tokens = self.runtime.shapes.tokens(max(len(row.tokens) for row in plan.rows))
-            self.step_times.record(self.runtime.shapes.batch(len(rows)), tokens, seconds / n_iterations)
+            self.step_times.record(self.runtime.shapes.batch(len(rows)), tokens, seconds / n_iterations,
+                                   looped=n_iterations > 1)
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
@@ -460,15 +461,16 @@ class Engine:
     def _batch_declines(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
         """Whether the drafts the policy chose per sequence would cost the step's batch of n_rows rows more than
         they return (`policy.drafting_pays`): the step at the longest draft's padded length against the plain
-        step (`step_times`: measured under load where both are, else calibrated, then with the MTP chain's
-        calibrated cost added), for every row's expected accepted drafts at its acceptance estimate. No price
-        yet: no decline."""
+        step (`step_times`: measured under load where both are, in calls of one iteration where a drafter drafts on
+        the host; else calibrated, then with the MTP chain's calibrated cost added), for every row's expected
+        accepted drafts at its acceptance estimate. No price yet: no decline."""
         firsts = [(seq_id, options[0]) for seq_id, options in planned.items() if options]
         if not firsts or self.runtime.shapes is None:
             return False
         longest = max(choice.n_draft for _, choice in firsts)
         B, T = self.runtime.shapes.batch(n_rows), self.runtime.shapes.tokens(1 + longest)
-        prices = self.step_times.plain_and_drafting(B, T)
+        host = any(c.drafter in self.policy.params.host_drafters for _, c in firsts)
+        prices = self.step_times.plain_and_drafting(B, T, host)
         if prices is None:
             return False
         plain, drafting, measured = prices

@@ -14,36 +14,46 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StepTimes:
-    """Seconds per iteration of target steps, keyed by (batch bucket, token bucket). `measured` follows the
-    engine's calls (each new one weighs `1 - decay`); `calibrated` holds warm single calls timed before serving."""
+    """Seconds per iteration of target steps. `measured` follows the engine's calls (each new one weighs
+    `1 - decay`), keyed by (batch bucket, token bucket, looped): an iteration of a call that ran several, or a call
+    of one, whose dispatch and read-back it carries alone. `calibrated` holds warm single calls timed before serving,
+    keyed by (batch bucket, token bucket)."""
 
     decay: float = 0.8
     calibrated: dict[tuple[int, int], float] = field(default_factory=dict)
-    measured: dict[tuple[int, int], float] = field(default_factory=dict)
+    measured: dict[tuple[int, int, bool], float] = field(default_factory=dict)
 
     def calibrate(self, steps: Mapping[tuple[int, int], float]) -> None:
         self.calibrated = dict(steps)
 
-    def record(self, rows: int, tokens: int, seconds: float) -> None:
+    def record(self, rows: int, tokens: int, seconds: float, looped: bool) -> None:
         """A call of `rows` rows (bucketed) whose iterations fed `tokens` tokens per row (bucketed) took `seconds`
-        per iteration."""
-        old = self.measured.get((rows, tokens))
-        self.measured[rows, tokens] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
+        per iteration; looped: it ran several."""
+        key = (rows, tokens, looped)
+        old = self.measured.get(key)
+        self.measured[key] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
 
-    def plain_and_drafting(self, rows: int, tokens: int) -> tuple[float, float, bool] | None:
-        """(plain step, step at `tokens` per row, whether measured) at `rows` rows: both measured where both are,
-        else both calibrated (a calibrated call carries its dispatch, a measured iteration does not, so the two are
-        not mixed); None where neither source has both.
+    def plain_and_drafting(self, rows: int, tokens: int, host: bool) -> tuple[float, float, bool] | None:
+        """(plain step, step at `tokens` per row, whether measured) at `rows` rows, per iteration. Measured where
+        both are: plain decoding as it ran (looping calls where there were), drafting in looping calls for drafts
+        made on device, in calls of one iteration for drafts made on the host (`host`: the host must run between
+        them). Else both calibrated (a calibrated call carries its dispatch, an iteration of a looping call does not,
+        so the two are not mixed). None where neither source has both.
 
         >>> times = StepTimes(calibrated={(16, 1): 0.010, (16, 4): 0.015})
-        >>> times.plain_and_drafting(16, 4)
+        >>> times.plain_and_drafting(16, 4, host=False)
         (0.01, 0.015, False)
-        >>> times.record(16, 1, 0.008); times.record(16, 4, 0.020)
-        >>> times.plain_and_drafting(16, 4)
+        >>> times.record(16, 1, 0.008, looped=True); times.record(16, 4, 0.020, looped=False)
+        >>> times.plain_and_drafting(16, 4, host=False)  # no looping call drafted yet
+        (0.01, 0.015, False)
+        >>> times.plain_and_drafting(16, 4, host=True)
         (0.008, 0.02, True)
         """
-        for source, measured in ((self.measured, True), (self.calibrated, False)):
-            plain, drafting = source.get((rows, 1)), source.get((rows, tokens))
-            if plain is not None and drafting is not None:
-                return plain, drafting, measured
+        plain = self.measured.get((rows, 1, True), self.measured.get((rows, 1, False)))
+        drafting = self.measured.get((rows, tokens, not host))
+        if plain is not None and drafting is not None:
+            return plain, drafting, True
+        plain, drafting = self.calibrated.get((rows, 1)), self.calibrated.get((rows, tokens))
+        if plain is not None and drafting is not None:
+            return plain, drafting, False
         return None

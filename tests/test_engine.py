@@ -97,7 +97,8 @@ def test_the_policy_declines_a_batch_whose_measured_step_time_grows_with_draftin
 
     async def main():
         engine = engine_of(target, extra_drafters=[synthetic])
-        prices = {(B, T): 1e-3 * (drafting_costs if T > 1 else 1.0) for B in (1, 4, 6) for T in (1, 2, 4, 8, 16)}
+        prices = {(B, T, looped): 1e-3 * (drafting_costs if T > 1 else 1.0)
+                  for B in (1, 4, 6) for T in (1, 2, 4, 8, 16) for looped in (False, True)}  # fmt: skip
         engine.step_times = StepTimes(decay=1.0, measured=prices)  # these prices only, whatever the calls take
         async with engine:
             return await collect_staggered(engine, [(GenerationRequest(p, MAX_TOKENS, speculative=spec), 0.0)
