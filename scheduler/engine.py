@@ -111,6 +111,9 @@ DEFAULT_DRAFT_VOCAB = None
 # The most drafts an n-gram lookup feeds per iteration inside a device call (`Drafter.device_lookup`); its later
 # iterations are compiled at 1 + this many tokens (and at one, for iterations in which no row finds a match).
 LOOKUP_DRAFTS = 3
+# The batch gate's probes (`Engine._gate_closed`): a step drafts after this many declined steps, then twice as many,
+# up to the most.
+GATE_PROBE_MIN, GATE_PROBE_MAX = 16, 128
 # Tokens the MTP head's backlog holds per running sequence (`jaxmodel.state.HeadBacklog`): a sequence whose head is
 # declined runs no head pass until the head drafts again, the sequence ends, or this many tokens are held. Fewer
 # where the backlog would take more than an eighth of the budget (in multiples of 16; none below 16).
@@ -239,6 +242,7 @@ class Engine:
         self._iteration_seconds: dict[int, float] = {}  # rows -> seconds per iteration of the last decoding call
         self.step_times = StepTimes()  # the batch gate's prices (`_batch_declines`)
         self._batch_declined = False  # this step's drafts did not pay for its batch: no row drafts or chains
+        self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN  # declined steps until the batch's next probe
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
         self._timings: dict[int, RequestTiming] = {}
@@ -455,8 +459,22 @@ class Engine:
             else:
                 choices = [Choice(name, config.n_max) for name in config.drafters]
             planned[seq_id] = [c for c in choices if c.n_draft > 0]
-        self._batch_declined = self.adaptive and self._batch_declines(planned, len(may_draft))
+        self._batch_declined = self.adaptive and self._gate_closed(planned, len(may_draft))
         return {} if self._batch_declined else planned
+
+    def _gate_closed(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
+        """Whether the batch gate keeps this step from drafting (`_batch_declines`). A gate that stays closed lets
+        one step draft after GATE_PROBE_MIN declined steps, then twice as many, up to GATE_PROBE_MAX (a batch probe:
+        acceptance is learnt only from drafts, and every row drafts in it, so that they share its padding); a step
+        that pays resets the wait."""
+        if not self._batch_declines(planned, n_rows):
+            self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN
+            return False
+        if self._gate_wait > 0:
+            self._gate_wait -= 1
+            return True
+        self._gate_wait, self._gate_interval = self._gate_interval, min(2 * self._gate_interval, GATE_PROBE_MAX)
+        return False
 
     def _batch_declines(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
         """Whether the drafts the policy chose per sequence would cost the step's batch of n_rows rows more than
