@@ -9,7 +9,9 @@ Every cell is compiled before it is timed (the engine's warm-up). The cells of a
 `--repeats` rounds, each round running every cell once in turn (after one untimed round, in which the drafter
 policy's estimates settle), so that a shared machine's drift falls on all cells alike; each cell reports the median
 and spread of its rounds and `vs_plain_paired`, the median of its per-round ratios to the plain cell: the ratio
-to quote. `--rollback snapshot,checkpoint` runs every drafter set under each forced
+to quote. Also each stream's decoding speed after its first token (`decoding_tokens_per_s_per_stream`: tokens after
+the first over the time from the first to the last, summed over requests) and its paired ratio: what drafting does
+to generation, without the prompt's prefill, which it leaves as it is. `--rollback snapshot,checkpoint` runs every drafter set under each forced
 rollback mode; `--synthetic-alpha A` adds the `synthetic` drafter (the plain run's own tokens, each corrupted with
 probability 1 - A), for a known acceptance rate on models whose own drafters have none (random weights).
 
@@ -58,14 +60,18 @@ DEFAULT_MODEL = os.path.join(ASSETS, "gdnspec-stdlib-target-q8_0.gguf")
 
 async def _stream(engine: Engine | Replicas, request: GenerationRequest) -> dict:
     tokens, drafted, accepted, rollback_steps = [], 0, 0, {}
+    first = last = None  # when the first and the last tokens arrived
     async for event in engine.generate(request):
         if isinstance(event, TokensEvent):
+            last = time.perf_counter()
+            first = first or last
             tokens += event.token_ids
         elif isinstance(event, DoneEvent):
             drafted = sum(s.drafted for s in event.drafters.values())
             accepted = sum(s.accepted for s in event.drafters.values())
             rollback_steps = dict(event.rollback_steps)
-    return {"tokens": tokens, "drafted": drafted, "accepted": accepted, "rollback_steps": rollback_steps}
+    return {"tokens": tokens, "drafted": drafted, "accepted": accepted, "rollback_steps": rollback_steps,
+            "decoding_s": last - first if first is not None else 0.0}
 
 
 async def _run(engine: Engine | Replicas, requests: list[GenerationRequest], streams: int) -> dict:
@@ -87,7 +93,9 @@ async def _run(engine: Engine | Replicas, requests: list[GenerationRequest], str
     for r in results:
         for mode, count in r["rollback_steps"].items():
             steps[mode] = steps.get(mode, 0) + count
+    decoding = sum(r["decoding_s"] for r in results)
     return {"tokens": [r["tokens"] for r in results], "wall_s": wall, "tokens_per_s": n / wall,
+            "decoding_tokens_per_s": sum(len(r["tokens"]) - 1 for r in results) / decoding if decoding else 0.0,
             "drafted": sum(r["drafted"] for r in results), "accepted": sum(r["accepted"] for r in results),
             "rollback_steps": steps}
 
@@ -154,6 +162,8 @@ def run(args) -> dict:
                             runs[policy, mode].append(result)
                 plain_rates = next(([r["tokens_per_s"] for r in cell_runs] for (policy, _), cell_runs
                                     in runs.items() if policy == "plain"), None)  # fmt: skip
+                plain_decoding = next(([r["decoding_tokens_per_s"] for r in cell_runs] for (policy, _), cell_runs
+                                       in runs.items() if policy == "plain"), None)  # fmt: skip
                 for (policy, mode), cell_runs in runs.items():
                     drafters = tuple(d for d in policy.split(",") if d and d != "plain")
                     rates = [r["tokens_per_s"] for r in cell_runs]
@@ -163,12 +173,17 @@ def run(args) -> dict:
                             "rounds": rates, "drafted": last["drafted"], "accepted": last["accepted"],
                             "rollback_steps": last["rollback_steps"],
                             "generated": sum(len(t) for t in last["tokens"])}  # fmt: skip
+                    decoding = [r["decoding_tokens_per_s"] for r in cell_runs]
+                    cell["decoding_tokens_per_s_per_stream"] = statistics.median(decoding)
                     if plain_rates:
                         cell["vs_plain_paired"] = statistics.median(r / p for r, p in zip(rates, plain_rates))
+                        cell["decoding_vs_plain_paired"] = statistics.median(
+                            d / p for d, p in zip(decoding, plain_decoding))
                     out["cells"].append(cell)
                     if args.out:
                         save_json(out, args.out)  # a run cut short keeps the cells it finished
-                    paired = f", {cell['vs_plain_paired']:.3f}x plain (paired)" if plain_rates else ""
+                    paired = (f", {cell['vs_plain_paired']:.3f}x plain (paired; decoding after the first token "
+                              f"{cell['decoding_vs_plain_paired']:.3f}x)") if plain_rates else ""
                     print(f"{n_streams:3d} streams {policy:12s} {mode:10s}: {cell['tokens_per_s']:8.1f} tokens/s "
                           f"[{cell['min']:.1f}, {cell['max']:.1f}]{paired}  drafted {cell['drafted']}, accepted "
                           f"{cell['accepted']} of {cell['generated']} tokens (last round), rollback steps "
