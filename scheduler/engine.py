@@ -241,6 +241,7 @@ class Engine:
         self.max_call_seconds = max_call_seconds
         self._iteration_seconds: dict[int, float] = {}  # rows -> seconds per iteration of the last decoding call
         self.step_times = StepTimes()  # the batch gate's prices (`_batch_declines`)
+        self._lookup_drafter = next((d.name for d in self.drafters.values() if d.device_lookup() is not None), None)
         self._batch_declined = False  # this step's drafts did not pay for its batch: no row drafts or chains
         self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN  # declined steps until the batch's next probe
         self._ids = itertools.count()
@@ -347,8 +348,10 @@ class Engine:
         self._iteration_seconds[len(rows)] = seconds / n_iterations  # the last call's, so a slow one passes
         if self.runtime.shapes is not None:
             tokens = self.runtime.shapes.tokens(max(len(row.tokens) for row in plan.rows))
-            self.step_times.record(self.runtime.shapes.batch(len(rows)), tokens, seconds / n_iterations,
-                                   looped=n_iterations > 1)
+            B = self.runtime.shapes.batch(len(rows))
+            self.step_times.record(B, tokens, seconds / n_iterations, looped=n_iterations > 1)
+            committed = sum(len(r.committed) + sum(len(it.committed) for it in r.more) for r in results)
+            self.step_times.record_rate(B, self._call_drafter(plan, rows, results), committed, seconds)
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
@@ -361,6 +364,20 @@ class Engine:
             name = self._device_drafter(row)
             if name is not None:
                 self.policy.record_proposal(name, chain_seconds * n_chain / n_chained, n_chain)
+
+    def _call_drafter(self, plan: StepPlan, rows: list[StepRow], results) -> str | None:
+        """The drafter most of a call's drafting rows drafted with (their first iteration's drafts, else those of
+        their later iterations: the n-gram lookup's or the MTP head's); None where no row drafted."""
+        names: Counter[str] = Counter()
+        for row, step_row, result in zip(plan.rows, rows, results):
+            if row.drafts:
+                names[row.drafter] += 1
+            elif any(it.drafts for it in result.more):
+                lookup = step_row.loop is not None and step_row.loop.lookup is not None
+                name = self._lookup_drafter if lookup else self._device_drafter(row)
+                if name is not None:
+                    names[name] += 1
+        return names.most_common(1)[0][0] if names else None
 
     def _rebuild_seconds(self, rows: list[StepRow], results) -> float:
         """What a device call spent rebuilding replay rows: per iteration, a calibrated pass per rebuild_rows of
@@ -478,15 +495,23 @@ class Engine:
 
     def _batch_declines(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
         """Whether the drafts the policy chose per sequence would cost the step's batch of n_rows rows more than
-        they return (`policy.drafting_pays`): the step at the longest draft's padded length against the plain
-        step (`step_times`: measured under load where both are, in calls of one iteration where a drafter drafts on
+        they return. Where the engine has measured both at this batch size: whether its calls drafting with the
+        drafter most rows chose committed fewer tokens per second than its calls in which no row drafted (all of
+        it measured: the padding, rows without a draft, the chain, the rebuild). Until then an estimate
+        (`policy.drafting_pays`): the step at the longest draft's padded length against the plain step
+        (`step_times`: measured under load where both are, in calls of one iteration where a drafter drafts on
         the host; else calibrated, then with the MTP chain's calibrated cost added), for every row's expected
         accepted drafts at its acceptance estimate. No price yet: no decline."""
         firsts = [(seq_id, options[0]) for seq_id, options in planned.items() if options]
         if not firsts or self.runtime.shapes is None:
             return False
+        B = self.runtime.shapes.batch(n_rows)
+        drafter = Counter(choice.drafter for _, choice in firsts).most_common(1)[0][0]
+        rates = self.step_times.plain_and_drafting_rates(B, drafter)
+        if rates is not None:
+            return rates[1] <= rates[0]
         longest = max(choice.n_draft for _, choice in firsts)
-        B, T = self.runtime.shapes.batch(n_rows), self.runtime.shapes.tokens(1 + longest)
+        T = self.runtime.shapes.tokens(1 + longest)
         host = any(c.drafter in self.policy.params.host_drafters for _, c in firsts)
         prices = self.step_times.plain_and_drafting(B, T, host)
         if prices is None:

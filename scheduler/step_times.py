@@ -1,9 +1,10 @@
-"""What a target step costs by its shape, the prices of the batch gate (`Engine._batch_declines`): seconds per
-iteration by (rows, tokens per row), calibrated before serving and then learnt from the engine's own calls.
+"""What the batch gate (`Engine._batch_declines`) knows of drafting at a batch size: the tokens per second the
+engine's own calls committed, drafting (by drafter) and not, and, until both are measured, what a target step costs
+by its shape (seconds per iteration by rows and tokens per row), calibrated before serving and then learnt.
 
 A step's time follows its longest row: every row is padded to the longest one's tokens, so one row verifying a
-draft lengthens the step for all. What drafting costs a batch is therefore the step at the drafting rows' padded
-length against the plain step at the same rows, which these times give directly.
+draft lengthens the step for all, and rows whose drafter found nothing to propose pay for it too. The measured
+rates hold all of it; the step prices give the padding alone, for a first estimate.
 """
 
 from __future__ import annotations
@@ -22,6 +23,27 @@ class StepTimes:
     decay: float = 0.8
     calibrated: dict[tuple[int, int], float] = field(default_factory=dict)
     measured: dict[tuple[int, int, bool], float] = field(default_factory=dict)
+    # (batch bucket, the drafter most of a call's drafting rows drafted with; None: no row drafted) -> tokens/s
+    rates: dict[tuple[int, str | None], float] = field(default_factory=dict)
+
+    def record_rate(self, rows: int, drafter: str | None, tokens: int, seconds: float) -> None:
+        """A decoding call of `rows` rows (bucketed) committed `tokens` tokens in `seconds`, drafting mostly with
+        `drafter` (None: no row drafted)."""
+        key = (rows, drafter)
+        rate, old = tokens / seconds, self.rates.get(key)
+        self.rates[key] = rate if old is None else self.decay * old + (1.0 - self.decay) * rate
+
+    def plain_and_drafting_rates(self, rows: int, drafter: str) -> tuple[float, float] | None:
+        """(tokens/s of calls in which no row drafted, of calls drafting with `drafter`) at `rows` rows, None until
+        both are measured.
+
+        >>> times = StepTimes()
+        >>> times.record_rate(16, None, 16 * 64, 0.032); times.record_rate(16, "ngram", 16 * 64, 0.050)
+        >>> times.plain_and_drafting_rates(16, "ngram")
+        (32000.0, 20480.0)
+        """
+        plain, drafting = self.rates.get((rows, None)), self.rates.get((rows, drafter))
+        return None if plain is None or drafting is None else (plain, drafting)
 
     def calibrate(self, steps: Mapping[tuple[int, int], float]) -> None:
         self.calibrated = dict(steps)
