@@ -366,17 +366,20 @@ class Engine:
                 self.policy.record_proposal(name, chain_seconds * n_chain / n_chained, n_chain)
 
     def _call_drafter(self, plan: StepPlan, rows: list[StepRow], results) -> str | None:
-        """The drafter most of a call's drafting rows drafted with (their first iteration's drafts, else those of
-        their later iterations: the n-gram lookup's or the MTP head's); None where no row drafted."""
+        """The drafter most of a call's rows drafted with or were given to draft with: a row's own drafts' drafter,
+        else the n-gram lookup where its iterations looked up (whether or not it found a draft), else the MTP head
+        where it chained; None where no row did any of it (the rate plain decoding is measured by: a call whose
+        lookup found nothing still paid for the lookup)."""
         names: Counter[str] = Counter()
-        for row, step_row, result in zip(plan.rows, rows, results):
+        for row, step_row in zip(plan.rows, rows):
             if row.drafts:
-                names[row.drafter] += 1
-            elif any(it.drafts for it in result.more):
-                lookup = step_row.loop is not None and step_row.loop.lookup is not None
-                name = self._lookup_drafter if lookup else self._device_drafter(row)
-                if name is not None:
-                    names[name] += 1
+                name = row.drafter
+            elif step_row.loop is not None and step_row.loop.lookup is not None:
+                name = self._lookup_drafter
+            else:
+                name = self._device_drafter(row) if step_row.n_chain > 0 else None
+            if name is not None:
+                names[name] += 1
         return names.most_common(1)[0][0] if names else None
 
     def _rebuild_seconds(self, rows: list[StepRow], results) -> float:
