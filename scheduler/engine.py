@@ -486,7 +486,9 @@ class Engine:
         """Whether the batch gate keeps this step from drafting (`_batch_declines`). A gate that stays closed lets
         one step draft after GATE_PROBE_MIN declined steps, then twice as many, up to GATE_PROBE_MAX (a batch probe:
         acceptance is learnt only from drafts, and every row drafts in it, so that they share its padding); a step
-        that pays resets the wait."""
+        that pays resets the wait (one that plans no draft says nothing, and leaves it)."""
+        if not any(planned.values()):
+            return False
         if not self._batch_declines(planned, n_rows):
             self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN
             return False
