@@ -26,7 +26,7 @@ from .model import Model, rebuild
 from .ngram_lookup import LOOKUP_MAX_N
 from .sampling import SamplingParams
 from .speculative import (BacklogInputs, ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain,
-                          rebuild_pass_rows, speculative_step)
+                          later_width, rebuild_pass_rows, speculative_step)
 from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, bytes_per_plane, pack_batch
 
 
@@ -407,7 +407,7 @@ class Runtime:
         lookup = (max_iterations > 1 and T <= self.lookup_width
                   and any(r.loop is not None and r.loop.lookup for r in rows))  # fmt: skip
         loop = self._loop_inputs(rows, B, min(iterations, max_iterations), lookup) if max_iterations > 1 else None
-        width = max(min(T, 1 + self.mtp_chain_max), self.lookup_width if lookup else 0)  # a later iteration's
+        width = later_width(T, self.mtp_chain_max, self.lookup_width if lookup else 0)
         backlog = self._backlog_inputs(rows, B, loop, width)
         inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop, backlog=backlog,
                       replay=self._replay_inputs(rows, B, T, final_only, lookup))

@@ -119,6 +119,18 @@ def _kv_only_batch(tokens, start, n_tokens, page_table) -> StepBatch:
     )  # fmt: skip
 
 
+def mtp_inputs_of(hidden_before: jax.Array, hidden: jax.Array) -> jax.Array:
+    """The MTP block's h_{p-1} for each token a step fed and for the one after its last: hidden_before [B, E] (h_{s-1},
+    from the row's read plane) then the step's post-norm hidden [B, T, E] -> [B, T+1, E]."""
+    return jnp.concatenate([hidden_before[:, None], hidden], axis=1)
+
+
+def later_width(T: int, n_max: int, lookup_width: int) -> int:
+    """Tokens per row of a looping call's later iterations, for a first iteration of T: the MTP chain's drafts and
+    `last` (a plain decoding call stays at one), or the lookup's width where the call looks up."""
+    return max(min(T, 1 + n_max), lookup_width)
+
+
 def mtp_catch_up_and_chain(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden: jax.Array, hidden_before: jax.Array,
     n_kept: jax.Array, bonus: jax.Array, has_bonus: jax.Array, chain: ChainInputs, state: ModelState, n_max: int,
@@ -140,7 +152,7 @@ def mtp_catch_up_and_chain(
     on = chain.n_chain >= 0
     chaining = on & has_bonus & (chain.n_chain >= 1)
     start = batch.positions[:, 0]
-    hidden_in = jnp.concatenate([hidden_before[:, None], hidden], axis=1)  # [B, T+1, E]: h_{p-1} for each fed p
+    hidden_in = mtp_inputs_of(hidden_before, hidden)  # [B, T+1, E]
     kept = _kv_only_batch(batch.tokens, start, jnp.where(on, n_kept, 0), batch.page_table)
     state = mtp_write_kv(weights, cfg, kept, hidden_in[:, :T], state)
     # The bonus at m = s + n_kept (over a rejected draft, if any) takes h_{m-1}, the target's hidden at index n_kept.
@@ -220,7 +232,7 @@ def iteration(
     held = none
     if backlog is not None and state.backlog is not None:
         T = batch.tokens.shape[1]
-        hidden_in = jnp.concatenate([hidden_before[:, None], out.hidden[:, : T - 1]], axis=1)  # h_{p-1} per token
+        hidden_in = mtp_inputs_of(hidden_before, out.hidden)[:, :T]  # h_{p-1} per fed token
         # A row whose slot cannot take this iteration's tokens catches up as it goes; what it holds stays held.
         holds = backlog.hold & (chain.n_chain >= 0) & (backlog.held + n_kept <= state.backlog.capacity)
         pool, held = _hold(state.backlog, backlog.slot, backlog.held, batch.tokens, batch.positions, hidden_in,
@@ -435,7 +447,7 @@ def speculative_step(
     if loop is None or max_iterations <= 1:
         return (first, None), state
     B, T = batch.tokens.shape
-    W = max(min(T, 1 + n_max), lookup_width)  # tokens per later iteration: a plain decoding step stays plain
+    W = later_width(T, n_max, lookup_width)
     K = max_iterations - 1
     n_committed = first.n_accepted + 1
     start = batch.positions[:, 0] + batch.n_tokens - verify_in.n_drafts + first.n_accepted  # the bonus's position

@@ -351,7 +351,7 @@ class Engine:
             B = self.runtime.shapes.batch(len(rows))
             self.step_times.record(B, tokens, seconds / n_iterations, looped=n_iterations > 1)
             committed = sum(len(r.committed) + sum(len(it.committed) for it in r.more) for r in results)
-            self.step_times.record_rate(B, self._call_drafter(plan, rows, results), committed, seconds)
+            self.step_times.record_rate(B, self._call_drafter(plan, rows), committed, seconds)
         chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
         per_draft = self.runtime.chain_cost(len(rows))
         chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
@@ -365,7 +365,7 @@ class Engine:
             if name is not None:
                 self.policy.record_proposal(name, chain_seconds * n_chain / n_chained, n_chain)
 
-    def _call_drafter(self, plan: StepPlan, rows: list[StepRow], results) -> str | None:
+    def _call_drafter(self, plan: StepPlan, rows: list[StepRow]) -> str | None:
         """The drafter most of a call's rows drafted with or were given to draft with: a row's own drafts' drafter,
         else the n-gram lookup where its iterations looked up (whether or not it found a draft), else the MTP head
         where it chained; None where no row did any of it (the rate plain decoding is measured by: a call whose

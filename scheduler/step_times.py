@@ -29,9 +29,7 @@ class StepTimes:
     def record_rate(self, rows: int, drafter: str | None, tokens: int, seconds: float) -> None:
         """A decoding call of `rows` rows (bucketed) committed `tokens` tokens in `seconds`, drafting mostly with
         `drafter` (None: no row drafted)."""
-        key = (rows, drafter)
-        rate, old = tokens / seconds, self.rates.get(key)
-        self.rates[key] = rate if old is None else self.decay * old + (1.0 - self.decay) * rate
+        self._average(self.rates, (rows, drafter), tokens / seconds)
 
     def plain_and_drafting_rates(self, rows: int, drafter: str) -> tuple[float, float] | None:
         """(tokens/s of calls in which no row drafted, of calls drafting with `drafter`) at `rows` rows, None until
@@ -51,9 +49,12 @@ class StepTimes:
     def record(self, rows: int, tokens: int, seconds: float, looped: bool) -> None:
         """A call of `rows` rows (bucketed) whose iterations fed `tokens` tokens per row (bucketed) took `seconds`
         per iteration; looped: it ran several."""
-        key = (rows, tokens, looped)
-        old = self.measured.get(key)
-        self.measured[key] = seconds if old is None else self.decay * old + (1.0 - self.decay) * seconds
+        self._average(self.measured, (rows, tokens, looped), seconds)
+
+    def _average(self, table: dict, key, value: float) -> None:
+        """table[key] <- value, or its exponential average with what the key held (each new one weighs 1 - decay)."""
+        old = table.get(key)
+        table[key] = value if old is None else self.decay * old + (1.0 - self.decay) * value
 
     def plain_and_drafting(self, rows: int, tokens: int, host: bool) -> tuple[float, float, bool] | None:
         """(plain step, step at `tokens` per row, whether measured) at `rows` rows, per iteration. Measured where
