@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from api.protocol import ChatMessage
-
-__all__ = ["ChatTemplateError", "render_chat"]
+__all__ = ["ChatTemplateError", "RenderedTooLong", "render_chat", "render_chunks"]
 
 
 class ChatTemplateError(ValueError):
     """The template failed to compile or render, or rejected the conversation (``raise_exception``)."""
+
+
+class RenderedTooLong(ChatTemplateError):
+    """The rendered prompt grew past the caller's limit (`render_chat`'s max_chars)."""
 
 
 def _raise_exception(message: str) -> None:
@@ -48,20 +50,32 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def render_chat(
-    template: str,
-    messages: Sequence[ChatMessage | Mapping[str, Any]],
-    add_generation_prompt: bool = True,
-    **variables: Any,
-) -> str:
-    """Render ``messages`` with a chat template; ``variables`` (e.g. bos_token) are passed to the template.
+def render_chunks(template: str, messages: Sequence[Any], add_generation_prompt: bool = True,
+                  **variables: Any) -> Iterator[str]:
+    """The rendered prompt as jinja2 generates it, chunk by chunk (so a caller can stop a render that grows too
+    long before it is whole). messages: `api.protocol.ChatMessage`s or mappings with role and content.
 
     Raises :class:`ChatTemplateError` with the template's own message when it fails.
     """
-    turns = [
-        {"role": m.role, "content": m.content} if isinstance(m, ChatMessage) else dict(m) for m in messages
-    ]
+    turns = [dict(m) if isinstance(m, Mapping) else {"role": m.role, "content": m.content} for m in messages]
     try:
-        return _compile(template).render(messages=turns, add_generation_prompt=add_generation_prompt, **variables)
+        yield from _compile(template).generate(messages=turns, add_generation_prompt=add_generation_prompt,
+                                               **variables)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template: {exc}") from exc
+
+
+def render_chat(template: str, messages: Sequence[Any], add_generation_prompt: bool = True,
+                max_chars: int | None = None, **variables: Any) -> str:
+    """Render ``messages`` with a chat template; ``variables`` (e.g. bos_token) are passed to the template.
+
+    Raises :class:`ChatTemplateError` with the template's own message when it fails, :class:`RenderedTooLong` as
+    soon as the prompt passes max_chars characters.
+    """
+    chunks, length = [], 0
+    for chunk in render_chunks(template, messages, add_generation_prompt, **variables):
+        length += len(chunk)
+        if max_chars is not None and length > max_chars:
+            raise RenderedTooLong(f"the rendered chat prompt passed {max_chars} characters")
+        chunks.append(chunk)
+    return "".join(chunks)

@@ -138,6 +138,7 @@ def _serve(args) -> int:
 
     from api.protocol import Defaults, Limits, ServerSettings
     from api.server import Access, Server, run_server
+    from api.templates import TemplateLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     engine, tokenizer = _build_engine(args)  # first: a file that cannot serve is refused before anything else
@@ -163,7 +164,12 @@ def _serve(args) -> int:
                                           time.perf_counter() - start)  # fmt: skip
     else:
         engine.background_warmup = True
-    server = Server(engine, tokenizer, settings, access, shutdown_grace_s=args.shutdown_grace)
+    try:
+        templates = TemplateLimits(seconds=args.template_seconds, memory_mb=args.template_memory_mb,
+                                   max_chars=args.template_max_chars)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    server = Server(engine, tokenizer, settings, access, shutdown_grace_s=args.shutdown_grace, templates=templates)
 
     async def main():
         shutdown = anyio.Event()
@@ -340,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-message-bytes", type=int, default=2 * 1024 * 1024, help="largest client frame")
     p.add_argument("--max-prompt-chars", type=int, default=256 * 1024,
                    help="longest prompt text (or chat content) in characters, checked before tokenizing")
+    p.add_argument("--template-seconds", type=float, default=2.0,
+                   help="the longest a chat template's render may run (in a worker process, killed past it)")
+    p.add_argument("--template-memory-mb", type=int, default=256,
+                   help="memory a chat template's render may allocate beyond its worker's own")
+    p.add_argument("--template-max-chars", type=int, default=1 << 20, help="longest rendered chat prompt")
     p.add_argument("--compression", action="store_true", help="offer permessage-deflate (off by default)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds in-flight requests get to send their done frames on SIGINT/SIGTERM")

@@ -42,7 +42,7 @@ __all__ = [
 
 ErrorCode = Literal[
     "bad_json", "bad_message", "bad_value", "unknown_drafter", "prompt_too_long", "too_many_requests",
-    "duplicate_id", "unknown_id", "message_too_large", "overloaded", "internal",
+    "duplicate_id", "unknown_id", "message_too_large", "overloaded", "chat_template", "internal",
 ]
 ERROR_CODES: tuple[str, ...] = ErrorCode.__args__
 

@@ -31,7 +31,8 @@ from websockets.http11 import Request, Response
 
 from scheduler import DoneEvent, Engine, GenerationRequest, Replicas, RequestTiming, TokensEvent
 
-from .chat import ChatTemplateError, render_chat
+from .chat import ChatTemplateError
+from .templates import TemplateLimitExceeded, TemplateLimits, TemplateRenderer
 from .protocol import (Cancel, Connection, Done, DrafterStats, Error, Failure, GenerateRequest, RollbackSteps,
                        ServerSettings, SpecStats, Stats, StatsRequest, Timings, Tokens, Usage, check_prompt_tokens,
                        error)
@@ -39,7 +40,7 @@ from .protocol import (Cancel, Connection, Done, DrafterStats, Error, Failure, G
 log = logging.getLogger("gdnspec.server")
 
 OUTBOUND_FRAMES = 1024  # per connection; a client this far behind is closed (1008)
-PREPARE_THREADS = 2  # tokenizing and chat templates run in at most this many worker threads at once
+PREPARE_THREADS = 2  # tokenizing runs in at most this many worker threads at once
 SHUTDOWN_GRACE_S = 5.0  # stop(): how long in-flight requests get to send their done frames
 CLOSE_TIMEOUT_S = 2.0  # a closing handshake the peer does not answer is cut after this
 API_KEY_ENV = "GDNSPEC_API_KEY"
@@ -134,16 +135,18 @@ class _Client:
 
 class Server:
     """Serves an engine (or `Replicas` of one) over websockets. `tokenizer` turns prompts and chat messages into
-    ids; `settings` are held to what the engine serves (`limited_to`)."""
+    ids, its chat template rendered out of process under `templates` (`api.templates`); `settings` are held to
+    what the engine serves (`limited_to`)."""
 
     def __init__(self, engine: Engine | Replicas, tokenizer, settings: ServerSettings, access: Access = Access(),
-                 shutdown_grace_s: float = SHUTDOWN_GRACE_S):
+                 shutdown_grace_s: float = SHUTDOWN_GRACE_S, templates: TemplateLimits = TemplateLimits()):
         self.engine = engine
         self.tokenizer = tokenizer
         self.settings = limited_to(settings, engine)
         self.access = access
         self.shutdown_grace_s = shutdown_grace_s
-        self.chat_template = tokenizer.chat_template if tokenizer is not None else None
+        chat_template = tokenizer.chat_template if tokenizer is not None else None
+        self.templates = TemplateRenderer(chat_template, templates) if chat_template else None
         self.clients: set[_Client] = set()
         self.closing = False
         self.n_requests = 0  # accepted and not finished, all connections
@@ -262,21 +265,28 @@ class Server:
                 client.finished[result.id] = anyio.Event()
                 tg.start_soon(self._run, result, client)
 
-    def _prepare(self, request: GenerateRequest) -> GenerationRequest | Error:
+    async def _render(self, request: GenerateRequest) -> str | Error:
+        """A chat request's prompt text, from the model's template in a worker process."""
+        if self.tokenizer is None:
+            return error(request.id, "bad_value", "this model has no tokenizer; send prompt_ids")
+        if self.templates is None:
+            return error(request.id, "bad_value", "this model has no chat template; send prompt or prompt_ids")
+        try:
+            return await self.templates.render([{"role": m.role, "content": m.content} for m in request.messages])
+        except TemplateLimitExceeded as exc:
+            return error(request.id, "chat_template", str(exc))
+        except ChatTemplateError as exc:
+            return error(request.id, "bad_value", f"chat template failed: {exc}")
+
+    def _prepare(self, request: GenerateRequest, text: str | None) -> GenerationRequest | Error:
+        """The engine's request: the prompt (`text`, a chat request's rendered prompt, or the request's own)
+        tokenized and checked."""
         if request.prompt_ids is not None:
             ids = list(request.prompt_ids)  # checked against the vocabulary by the protocol
         elif self.tokenizer is None:
             return error(request.id, "bad_value", "this model has no tokenizer; send prompt_ids")
-        elif request.messages is not None:
-            if not self.chat_template:
-                return error(request.id, "bad_value", "this model has no chat template; send prompt or prompt_ids")
-            try:
-                text = render_chat(self.chat_template, [{"role": m.role, "content": m.content} for m in request.messages])
-            except ChatTemplateError as exc:
-                return error(request.id, "bad_value", f"chat template failed: {exc}")
-            ids = self.tokenizer.encode(text)
         else:
-            ids = self.tokenizer.encode(request.prompt)
+            ids = self.tokenizer.encode(text if text is not None else request.prompt)
         if not ids:
             return error(request.id, "bad_value", "the prompt tokenizes to nothing")
         too_long = check_prompt_tokens(request.id, len(ids), self.settings.limits)
@@ -315,11 +325,15 @@ class Server:
                          spec.rollback.checkpoint, frame.timings.tokens_per_s)  # fmt: skip
 
     async def _generate(self, request: GenerateRequest, client: _Client, timing: RequestTiming) -> Done | Error:
-        """Tokenize (in a worker thread), stream the request's tokens, and return its final frame."""
+        """Render a chat request's template (in a worker process), tokenize (in a worker thread), stream the
+        request's tokens, and return its final frame."""
         completion, done, prepared = 0, None, None
         try:
             with client.requests[request.id]:
-                prepared = await anyio.to_thread.run_sync(self._prepare, request, limiter=self._prepare_limiter)
+                text = await self._render(request) if request.messages is not None else None
+                if isinstance(text, Error):
+                    return text
+                prepared = await anyio.to_thread.run_sync(self._prepare, request, text, limiter=self._prepare_limiter)
                 await anyio.lowlevel.checkpoint()  # cancelled while tokenizing: it ends cancelled, whatever came
                 if isinstance(prepared, Error):
                     return prepared
@@ -390,6 +404,8 @@ async def run_server(server: Server, host: str, port: int, *, ready=None, shutdo
     compression: offer permessage-deflate (off by default: it costs CPU and memory per connection for little on
     short frames)."""
     max_size = server.settings.limits.max_message_bytes * 2 + 1024  # oversized frames get an error, not a close
+    if server.templates is not None:
+        await server.templates.check()
     if server.access.api_key is None and not is_loopback(host):
         log.warning("serving on %s beyond loopback without an API key: anyone who can reach it may use it "
                     "(set --api-key or %s)", host, API_KEY_ENV)  # fmt: skip
@@ -401,8 +417,12 @@ async def run_server(server: Server, host: str, port: int, *, ready=None, shutdo
                  server.engine.weights_bytes / 2**20)
         if ready is not None:
             ready(bound)
-        if shutdown is None:
-            await anyio.sleep(math.inf)
-        else:
-            await shutdown.wait()
-        await server.stop()
+        try:
+            if shutdown is None:
+                await anyio.sleep(math.inf)
+            else:
+                await shutdown.wait()
+            await server.stop()
+        finally:
+            if server.templates is not None:
+                await server.templates.aclose()

@@ -20,8 +20,9 @@ from conftest import ENGINE, plain_greedy
 from websockets.asyncio.client import connect
 
 from api.client import Client, RequestError
-from api.protocol import MAX_SEED, Defaults, Limits, ServerSettings, Speculative
+from api.protocol import MAX_SEED, Defaults, Limits, ServerSettings, Speculative, Tokens
 from api.server import Access, Server, is_loopback, listening, loggable
+from api.templates import TemplateLimits
 from drafters.base import Drafter
 from scheduler import Engine
 
@@ -276,6 +277,119 @@ def test_huge_prompts_do_not_stall_other_streams(model, tokenizer):
           f"{', '.join(f'{d:.1f}' for d in durations)} s each to refuse")
     assert refusals == ["prompt_too_long"]
     assert max(gaps) < min(durations) / 4
+
+
+# ---- hostile chat templates ------------------------------------------------------------------------------------
+
+# Renders the conversation as ChatML, except for a user turn that asks it to loop (10^10 iterations: jinja2's
+# sandbox caps one range at 10^5), to allocate (a string of 10^10 characters), to grow (a prompt of 10^10
+# characters, chunk by chunk) or to raise.
+HOSTILE_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{% elif m.content == 'alloc' %}{% set s = 'x' * 10000000000 %}{{ s | length }}"
+    "{% elif m.content == 'grow' %}{% for i in range(100000) %}{{ 'y' * 100000 }}{% endfor %}"
+    "{% elif m.content == 'raise' %}{{ raise_exception('this template takes no such turn') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATE_LIMITS = TemplateLimits(seconds=1.0, memory_mb=128, max_chars=100_000)
+
+
+class TemplatedTokenizer:
+    """The tokenizer, with another chat template (as a model file from a stranger would carry)."""
+
+    def __init__(self, tokenizer, chat_template: str):
+        self._tokenizer, self.chat_template = tokenizer, chat_template
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_hostile_chat_templates_fail_their_request_within_the_limits_and_stall_no_stream(model, tokenizer):
+    """A template that loops, allocates, grows or raises fails its request with an error naming the limit (within
+    it), while another client's stream keeps its pace and its greedy tokens; a chat turn the template accepts is
+    answered, and the pools are full afterwards."""
+    engine = make_engine(model, tokenizer)
+    hostile = TemplatedTokenizer(tokenizer, HOSTILE_TEMPLATE)
+    expected = plain_greedy(model, [1, 2, 3], 48, tokenizer.eog_ids)
+    gaps, streams, outcomes = [], [], {}
+
+    async def main():
+        async with serving(engine, hostile, templates=TEMPLATE_LIMITS) as (url, server, _):
+            assert server.templates.refused is None  # the check at load rendered a short conversation
+            async with Client(url) as streamer, Client(url) as chatter:
+                await (await streamer.generate(prompt_ids=[1, 2, 3], max_tokens=48, speculative=None)).collect()
+
+                async def chat():
+                    for content in ("loop", "alloc", "grow", "raise"):
+                        start = time.perf_counter()
+                        try:
+                            done = await (await chatter.generate(messages=[{"role": "user", "content": content}],
+                                                                 max_tokens=4, speculative=None)).collect()
+                            outcomes[content] = (done.finish_reason, time.perf_counter() - start)
+                        except RequestError as exc:
+                            outcomes[content] = (exc.code, exc.message, time.perf_counter() - start)
+                    tg.cancel_scope.cancel()
+
+                async def stream():
+                    last = None  # gaps run across requests: a stalled request start counts too
+                    while True:
+                        tokens = []
+                        async for frame in await streamer.generate(prompt_ids=[1, 2, 3], max_tokens=48,
+                                                                   speculative=None):  # fmt: skip
+                            if not isinstance(frame, Tokens):
+                                continue
+                            now = time.perf_counter()
+                            if last is not None:
+                                gaps.append(now - last)
+                            last = now
+                            tokens += frame.token_ids
+                        streams.append(tokens)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(stream)
+                    tg.start_soon(chat)
+                hello = await (await chatter.generate(messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+                                                      speculative=None)).collect()  # fmt: skip
+                outcomes["hello"] = (hello.finish_reason, 0.0)
+                return await streamer.stats()
+
+    stats = anyio.run(main)
+    print(f"\nlongest inter-token gap {max(gaps) * 1e3:.0f} ms over {len(gaps)} gaps; {outcomes}")
+    limit = TEMPLATE_LIMITS.seconds
+    assert outcomes["loop"][:2] == ("chat_template", f"chat template exceeded its time limit ({limit:g} s)")
+    assert outcomes["alloc"][:2] == ("chat_template", "chat template exceeded its memory limit (128 MiB)")
+    assert outcomes["grow"][:2] == ("chat_template", "the rendered chat prompt passed 100000 characters")
+    assert outcomes["raise"][:2] == ("bad_value", "chat template failed: chat template: this template takes no "
+                                                  "such turn")  # fmt: skip
+    assert all(outcome[-1] < limit + 1.5 for outcome in outcomes.values()), outcomes
+    assert outcomes["hello"][0] == "length"
+    assert streams and all(tokens == expected for tokens in streams)
+    assert max(gaps) < 0.5
+    assert (stats.pages_free, stats.planes_free) == engine.free_at_start and pools_back(engine)
+
+
+def test_a_template_that_fails_its_check_at_load_is_refused_and_prompts_still_serve(model, tokenizer):
+    engine = make_engine(model, tokenizer)
+    looping = TemplatedTokenizer(tokenizer, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                            "{% endfor %}")  # fmt: skip
+
+    async def main():
+        async with serving(engine, looping, templates=TEMPLATE_LIMITS) as (url, server, _):
+            async with Client(url) as client:
+                start = time.perf_counter()
+                with pytest.raises(RequestError) as refused:
+                    await (await client.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=2)).collect()
+                took = time.perf_counter() - start
+                done = await (await client.generate(prompt_ids=[1, 2, 3], max_tokens=4, speculative=None)).collect()
+                return server.templates.refused, refused.value, took, done
+
+    refused_at_load, refusal, took, done = anyio.run(main)
+    assert refused_at_load == "chat template exceeded its time limit (1 s)"
+    assert refusal.code == "chat_template" and "refused at load: chat template exceeded its time limit" in refusal.message
+    assert took < 0.5  # no render is tried again
+    assert list(done.token_ids) == plain_greedy(model, [1, 2, 3], 4, tokenizer.eog_ids)
 
 
 # ---- (4), (5) limits and access ---------------------------------------------------------------------------------
