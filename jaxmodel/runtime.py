@@ -348,6 +348,11 @@ class Runtime:
     def mtp_chain_max(self) -> int:
         return self.n_chain_max if self.model.has_mtp else 0
 
+    def state_intact(self) -> bool:
+        """Whether every buffer of the state is alive (a device call that failed after its donated state was
+        taken leaves it deleted)."""
+        return not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state))
+
     def release_backlog(self, slot: int) -> None:
         """Forget what a backlog slot holds (its sequence ended; its positions' head KV is no longer wanted)."""
         self.backlog_held[slot] = 0

@@ -132,6 +132,7 @@ class Scheduler:
         self._n_admitted = 0
         self._step = 0
         self._in_flight: StepPlan | None = None
+        self.faults: list[tuple[SeqId, Exception]] = []  # the last `update`'s rows whose detokenizer raised
 
     # ---- queries -------------------------------------------------------------------------------------------
 
@@ -264,9 +265,13 @@ class Scheduler:
         return plan
 
     def update(self, plan: StepPlan, committed: Mapping[SeqId, Committed],
-               continued: Mapping[SeqId, Sequence[Continued]] | None = None) -> list[Event]:
+               continued: Mapping[SeqId, Sequence[Continued]] | None = None,
+               failed: Mapping[SeqId, str] | None = None) -> list[Event]:
         """Commit a step: `committed` holds, for every row with logit_rows, the verified tokens; `continued`, for
-        rows that ran later iterations in the same step, what each of them fed and committed.
+        rows that ran later iterations in the same step, what each of them fed and committed; `failed`, for rows
+        whose part of the step failed, the error each ends with (done, finish_reason "error"; the others go on).
+        A row whose detokenizer raises ends the same way ("internal error in the detokenizer"), its exception kept
+        in `faults` for the caller to report.
 
         A continued row's iterations each read the live plane and write into the row's planes (its read plane,
         then its write pool) minus the live one, in that order, in snapshot mode; the scheduler follows the same
@@ -274,8 +279,10 @@ class Scheduler:
         one burst for its stream), then done for sequences that finished.
         """
         self._check_in_flight(plan)
+        failed = failed or {}
+        self.faults = []
         for row in plan.rows:
-            if row.needs_logits and not self._seqs[row.seq_id].abort_requested:
+            if row.needs_logits and not self._seqs[row.seq_id].abort_requested and row.seq_id not in failed:
                 result = committed.get(row.seq_id)
                 if result is None:
                     raise ValueError(f"no committed tokens for sequence {row.seq_id!r} in step {plan.step}")
@@ -287,6 +294,8 @@ class Scheduler:
             seq = self._seqs[row.seq_id]
             if seq.abort_requested:
                 events.append(self._finish(seq, "cancelled"))
+            elif row.seq_id in failed:
+                events.append(self._finish(seq, "error", failed[row.seq_id]))
             elif not row.needs_logits:
                 seq.n_computed += len(row.fed)
                 seq.live_plane = row.write_planes[-1]
@@ -296,8 +305,14 @@ class Scheduler:
                 later = (continued or {}).get(row.seq_id, ())
                 self._roll(seq, row, result.n_accepted, trim=not later)
                 burst = _Burst()
-                if not self._append(seq, result, burst) and later:
-                    self._continue(seq, row, later, burst)
+                try:
+                    if not self._append(seq, result, burst) and later:
+                        self._continue(seq, row, later, burst)
+                except Exception as exc:  # the detokenizer's: the sequence ends, its batch-mates go on
+                    self.faults.append((row.seq_id, exc))
+                    message = f"internal error in the detokenizer ({type(exc).__name__})"
+                    events.append(self._finish(seq, "error", message))
+                    continue
                 events += self._emit(seq, burst)
         self._in_flight = None
         return events

@@ -25,7 +25,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from drafters import standard_drafters
-from drafters.base import DraftRequest, Drafter
+from drafters.base import Draft, DraftRequest, Drafter
 from drafters.policy import (Choice, DrafterPolicy, PolicyParams, SpeculativeConfig, drafting_pays,
                              expected_accepted)
 from jaxmodel.model import Model
@@ -243,6 +243,7 @@ class Engine:
         self.step_times = StepTimes()  # the batch gate's prices (`_batch_declines`)
         self._lookup_drafter = next((d.name for d in self.drafters.values() if d.device_lookup() is not None), None)
         self._batch_declined = False  # this step's drafts did not pay for its batch: no row drafts or chains
+        self._faults: dict[SeqId, str] = {}  # this step's rows whose part of it failed -> the error they end with
         self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN  # declined steps until the batch's next probe
         self._ids = itertools.count()
         self._outputs: dict[int, MemoryObjectSendStream] = {}
@@ -256,6 +257,7 @@ class Engine:
         """One scheduler step, synchronously: schedule, draft, run (forward, verification and the next on-device
         drafts in one device call, several iterations of it when the host has nothing to decide between them),
         commit. quiet: no request is arriving (so nothing waits for the host). Returns the events."""
+        self._faults = {}
         choices = self._plan_drafts()
         self.scheduler.rollback_costs = self._rollback_costs()
         plan = self.scheduler.schedule({
@@ -272,35 +274,70 @@ class Engine:
                 timing.scheduled = start
         plan = self._attach_drafts(plan, choices)
         iterations = self._call_iterations(plan, quiet)
-        rows = [self._step_row(row, len(plan.rows), iterations > 1, choices.get(row.seq_id, ()))
+        rows = [self._isolated_step_row(row, len(plan.rows), iterations > 1, choices.get(row.seq_id, ()))
                 for row in plan.rows]
         start = time.perf_counter()
-        results = self.runtime.step(rows, iterations)
-        self._record_costs(plan, rows, results, time.perf_counter() - start)
+        results = self._run(rows, iterations)
+        if all(isinstance(result, RowResult) for result in results):
+            self._record_costs(plan, rows, results, time.perf_counter() - start)
         committed, continued = {}, {}
-        for row, step_row, result in zip(plan.rows, rows, results):
-            if not row.needs_logits:
-                continue
-            committed[row.seq_id] = Committed(tuple(result.committed), result.n_accepted)
-            self._observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted, result.committed)
-            n_tokens = row.start + len(row.fed) + len(result.committed)
-            if result.more:
-                name = self._loop_drafter(row, choices.get(row.seq_id, ()))[0]
-                continued[row.seq_id] = [Continued(tuple(it.drafts), Committed(it.committed, it.n_accepted),
-                                                   name if it.drafts else None)
-                                         for it in result.more]  # fmt: skip
-                for it in result.more:
-                    if it.drafts:
-                        self._observe(row.seq_id, name, len(it.drafts), it.n_accepted, it.committed)
-                    n_tokens += len(it.committed)
-            for drafter in self._drafters_of(row):
-                drafter.after_step(row.seq_id, n_tokens, result)
-        events = self.scheduler.update(plan, committed, continued)
+        for row, result in zip(plan.rows, results):
+            if not isinstance(result, RowResult):
+                self._fault(row.seq_id, "the model step", result)
+            elif row.needs_logits and row.seq_id not in self._faults:
+                try:
+                    committed[row.seq_id], continued[row.seq_id] = self._commit(row, result, choices)
+                except Exception as exc:  # a drafter's hook: its sequence ends, the batch-mates go on
+                    self._fault(row.seq_id, self._culprit(exc), exc)
+        events = self.scheduler.update(plan, committed, continued, self._faults)
+        for seq_id, exc in self.scheduler.faults:
+            log.error("sequence %s failed in the detokenizer", seq_id, exc_info=(type(exc), exc, exc.__traceback__))
         for event in events:
             if isinstance(event, DoneEvent):
                 self._release(event.seq_id)
         self.steps += 1
         return events
+
+    def _commit(self, row: Row, result: RowResult, choices: dict[SeqId, list[Choice]]):
+        """A verified row's committed tokens and later iterations, for the scheduler; tells its drafters."""
+        committed = Committed(tuple(result.committed), result.n_accepted)
+        self._observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted, result.committed)
+        n_tokens = row.start + len(row.fed) + len(result.committed)
+        continued = []
+        if result.more:
+            name = self._loop_drafter(row, choices.get(row.seq_id, ()))[0]
+            continued = [Continued(tuple(it.drafts), Committed(it.committed, it.n_accepted),
+                                   name if it.drafts else None) for it in result.more]  # fmt: skip
+            for it in result.more:
+                if it.drafts:
+                    self._observe(row.seq_id, name, len(it.drafts), it.n_accepted, it.committed)
+                n_tokens += len(it.committed)
+        for drafter in self._drafters_of(row):
+            drafter.after_step(row.seq_id, n_tokens, result)
+        return committed, continued
+
+    def _run(self, rows: list[StepRow], iterations: int) -> list[RowResult | Exception]:
+        """The runtime's step over `rows`. Where it raises before its device call changed the state, the rows run
+        again in halves, down to each row that raises alone, which gets its exception instead of a result (rows
+        are independent, so the others' results are what they would have been). Raises where the state changed
+        or was lost (the step then fails as a whole)."""
+        before = self.runtime.state
+        try:
+            return self.runtime.step(rows, iterations)
+        except Exception as exc:
+            if self.runtime.state is not before or not self.runtime.state_intact():
+                raise
+            if len(rows) == 1:
+                return [exc]
+        half = len(rows) // 2
+        return self._run(rows[:half], iterations) + self._run(rows[half:], iterations)
+
+    def _fault(self, seq_id: SeqId, culprit: str, exc: Exception) -> None:
+        """A sequence's part of this step failed: it ends with done(error) naming the culprit; its batch-mates
+        go on."""
+        if seq_id not in self._faults:
+            log.error("sequence %s failed in %s", seq_id, culprit, exc_info=(type(exc), exc, exc.__traceback__))
+            self._faults[seq_id] = f"internal error in {culprit} ({type(exc).__name__})"
 
     def _call_iterations(self, plan: StepPlan, quiet: bool) -> int:
         """Iterations for this step's call. All it may (`_iterations`) while no request waits or arrives; with every
@@ -456,6 +493,15 @@ class Engine:
                        replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic,
                        backlog_slot=self._backlog_slot(row.seq_id) if n_chain >= 0 else -1)
 
+    def _isolated_step_row(self, row: Row, batch_size: int, may_loop: bool, choices: Sequence[Choice]) -> StepRow:
+        """`_step_row`; where that raises (a drafter's `device_chain`, the policy), the row's fault and a row that
+        only verifies (its result is dropped)."""
+        try:
+            return self._step_row(row, batch_size, may_loop, choices)
+        except Exception as exc:
+            self._fault(row.seq_id, self._culprit(exc), exc)
+            return StepRow(row, row.drafts, replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic)
+
     def _backlog_slot(self, seq_id: SeqId) -> int:
         """The sequence's slot in the MTP head's backlog, taken at its first row that runs the head (-1 where none
         is free: a preempted sequence keeps its slot while it waits, so slots can run out; its head then catches up
@@ -550,18 +596,40 @@ class Engine:
                     for row, config, choice in entries
                 ]  # fmt: skip
                 start = time.perf_counter()
-                proposals = self.drafters[name].propose(requests)
+                proposals = self._propose(name, requests)
                 share = (time.perf_counter() - start) / len(requests)
                 # Drafters that draft on device are costed in `_record_costs` (the MTP chain) or inside the target's
                 # iterations (the lookup, whose host proposal is one per call, not per iteration).
                 on_device = name not in self.policy.params.host_drafters
                 for (row, config, _), proposal in zip(entries, proposals):
+                    if isinstance(proposal, Exception):
+                        self._fault(row.seq_id, f"drafter {name!r}", proposal)
+                        options.pop(row.seq_id)
+                        continue
                     if not on_device:
                         self.policy.record_proposal(name, share, len(proposal.tokens))
                     if len(proposal.tokens) >= config.n_min:
                         drafts[row.seq_id] = proposal.tokens[: row.draft_max]
                         names[row.seq_id] = name
         return plan.with_drafts(drafts, names)
+
+    def _propose(self, name: str, requests: list[DraftRequest]) -> list[Draft | Exception]:
+        """The drafter's proposals for `requests`, one call for all; where that raises or proposes a token outside
+        the vocabulary, each request alone, so that a request whose proposal fails gets its exception and the
+        others their drafts."""
+        try:
+            proposals = self.drafters[name].propose(requests)
+            if len(proposals) != len(requests):
+                raise ValueError(f"{len(proposals)} proposals for {len(requests)} requests")
+            n_vocab = self.model.cfg.n_vocab
+            for proposal in proposals:
+                if not all(0 <= token < n_vocab for token in proposal.tokens):
+                    raise ValueError(f"a draft token outside the vocabulary of {n_vocab}: {proposal.tokens[:8]}")
+            return proposals
+        except Exception as exc:
+            if len(requests) == 1:
+                return [exc]
+        return [self._propose(name, [request])[0] for request in requests]
 
     def warmup(self, threads: int | None = None) -> int:
         """Compile every step shape this engine can run, the target's `threads` at a time (default: one per core
@@ -605,8 +673,9 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ faults
 
     def guarded_step(self, quiet: bool = True) -> list[Event]:
-        """`step`, except that an exception fails only the requests of the step that raised it (done with
-        finish_reason "error", their pages, planes and drafter state released) and the engine serves on."""
+        """`step`, except that an exception no row accounts for (`step` ends a row's own fault's request alone)
+        fails the requests of the step that raised it (done with finish_reason "error", their pages, planes and
+        drafter state released) and the engine serves on."""
         try:
             return self.step(quiet)
         except Exception as exc:

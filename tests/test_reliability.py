@@ -1,9 +1,10 @@
 """Faults, hostile input, limits, access control and shutdown, over a real loopback websocket.
 
 Faults are injected with real components that fail: a drafter whose proposals raise, a runtime wrapper whose step
-raises for a poisoned prompt, a tokenizer whose detokenizer raises. Whatever fails, only the requests of the
-failed step end (done, finish_reason "error", an internal error naming the culprit), everything they held goes
-back to the pools, and the server keeps serving.
+raises for a poisoned prompt, a tokenizer whose detokenizer raises. Whatever fails, only the culprit's request
+ends (done, finish_reason "error", an internal error naming the culprit), its batch-mates go on with their greedy
+tokens, everything it held goes back to the pools, and the server keeps serving. Hostile chat templates fail
+their request within their limits.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from api.client import Client, RequestError
 from api.protocol import MAX_SEED, Defaults, Limits, ServerSettings, Speculative, Tokens
 from api.server import Access, Server, is_loopback, listening, loggable
 from api.templates import TemplateLimits
-from drafters.base import Drafter
+from drafters.base import Draft, Drafter
 from scheduler import Engine
 
 POISON = 509  # a prompt holding this token id makes the wrapped model step raise
@@ -126,7 +127,72 @@ def pools_back(engine) -> bool:
 # ---- (1) fault isolation ----------------------------------------------------------------------------------------
 
 
-def test_a_failing_drafter_model_step_or_detokenizer_fails_only_its_step(model, tokenizer):
+class PoisonedDrafter(Drafter):
+    """A drafter that drafts nothing, except for a sequence holding POISON: its proposal raises, or holds a token
+    outside the vocabulary, or (after_step) its hook raises. Proposals are batched, so a raising proposal takes
+    its batch-mates' with it."""
+
+    name = "poisoned"
+
+    def __init__(self, fault: str):
+        self.fault, self.poisoned = fault, set()
+
+    def propose(self, requests):
+        for request in requests:
+            if POISON in request.tokens:
+                self.poisoned.add(request.seq_id)
+                if self.fault == "propose":
+                    raise RuntimeError("the poisoned drafter failed")
+        return [Draft([-7] if self.fault == "draft" and r.seq_id in self.poisoned else []) for r in requests]
+
+    def after_step(self, seq_id, n_tokens, result):
+        if self.fault == "after_step" and seq_id in self.poisoned:
+            raise KeyError(seq_id)
+
+    def release(self, seq_id):
+        self.poisoned.discard(seq_id)
+
+
+@pytest.mark.parametrize("fault", ["propose", "draft", "after_step", "model step"])
+def test_a_fault_in_one_row_of_eight_ends_that_request_only(model, tokenizer, fault):
+    """Eight requests run in one batch; one holds POISON, which makes its drafter's batched proposal raise, or its
+    draft leave the vocabulary, or its drafter's hook raise, or the model step raise for any batch it is in. That
+    request ends with an error naming the culprit; the other seven equal plain greedy; the pools come back."""
+    drafter = PoisonedDrafter(fault)
+    engine = make_engine(model, tokenizer, max_running=8, extra_drafters=[drafter])
+    if fault == "model step":
+        engine.runtime = PoisonedRuntime(engine.runtime)
+    prompts = [[POISON, 5, 6] if i == 3 else [10 + i, 20 + i, 30 + i] for i in range(8)]
+
+    async def main():
+        server_settings = settings(max_in_flight=8, known_drafters=("ngram", "mtp", "poisoned"))
+        async with serving(engine, tokenizer, server_settings) as (url, _, _):
+            async with Client(url) as client:
+                streams = [await client.generate(prompt_ids=prompt, max_tokens=12, speculative=Speculative(
+                    drafters=["poisoned"])) for prompt in prompts]  # fmt: skip
+                dones = [None] * len(streams)
+
+                async def collect(i):
+                    dones[i] = await streams[i].collect()
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(streams)):
+                        tg.start_soon(collect, i)
+                return dones, await client.stats()
+
+    dones, stats = anyio.run(main)
+    culprit = {"propose": "drafter 'poisoned' (RuntimeError)", "draft": "drafter 'poisoned' (ValueError)",
+               "after_step": "drafter 'poisoned' (KeyError)", "model step": "the model step (MemoryError)"}[fault]
+    for prompt, done in zip(prompts, dones):
+        if POISON in prompt:
+            assert done.finish_reason == "error" and done.error.message == f"internal error in {culprit}"
+        else:
+            assert list(done.token_ids) == plain_greedy(model, prompt, 12, tokenizer.eog_ids), (prompt, fault)
+    assert pools_back(engine) and (stats.pages_free, stats.planes_free) == engine.free_at_start
+    assert not drafter.poisoned and not engine.policy.sequences
+
+
+def test_a_failing_drafter_model_step_or_detokenizer_fails_only_its_request(model, tokenizer):
     """One request runs at a time, so the request queued behind a failing one is in no failed step: it must
     finish with exactly its plain greedy tokens, and every pool, drafter and policy entry must come back."""
     poisoned = PoisonedTokenizer(tokenizer)

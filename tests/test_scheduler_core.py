@@ -569,9 +569,10 @@ def test_fail_ends_the_step_with_errors():
 
 
 
-def test_fail_after_a_partial_update_and_fail_all():
-    """`fail` after an update raised part way skips the sequences that update already finished; `fail_all` ends
-    every live sequence (a failure no step accounts for). Both return every page and plane."""
+def test_rows_that_fail_end_alone_and_fail_all_ends_every_sequence():
+    """A row whose detokenizer raises, and a row `update` is told failed, end with done(error) while their
+    batch-mates commit as usual; `fail_all` ends every live sequence (a failure no step accounts for). Both return
+    every page and plane."""
 
     class Raising:
         def add(self, token_id):
@@ -580,16 +581,23 @@ def test_fail_after_a_partial_update_and_fail_all():
         def flush(self):
             return ""
 
-    detokenizers = iter([TableDetokenizer(), Raising()])
+    detokenizers = iter([TableDetokenizer(), Raising(), TableDetokenizer(), TableDetokenizer()])
     mem = MemoryManager(PoolSizes(n_pages=64, n_planes=40, page_size=4))
     sched = Scheduler(mem, lambda: next(detokenizers), max_model_len=40, token_budget=48, max_running=8)
-    sched.add(Request("a", (1, 2), max_tokens=1))
-    sched.add(Request("b", (3, 4), max_tokens=4))
+    for seq_id, prompt in [("a", (1, 2)), ("b", (3, 4)), ("c", (5, 6)), ("d", (7, 8))]:
+        sched.add(Request(seq_id, prompt, max_tokens=1 if seq_id == "a" else 4))
     plan = sched.schedule()
-    with pytest.raises(RuntimeError):
-        sched.update(plan, verify_greedy(plan, FakeModel(4).run(plan, {})))
-    [done_b] = sched.fail(plan, "the detokenizer failed")  # "a" finished (max_tokens 1) before "b" raised
-    assert (done_b.seq_id, done_b.finish_reason, done_b.error) == ("b", "error", "the detokenizer failed")
+    committed = verify_greedy(plan, FakeModel(4).run(plan, {}))
+    events = sched.update(plan, {k: v for k, v in committed.items() if k != "c"},
+                          failed={"c": "internal error in drafter 'x' (KeyError)"})
+    done = {e.seq_id: e for e in events if isinstance(e, DoneEvent)}
+    assert done["a"].finish_reason == "length"
+    assert (done["b"].finish_reason, done["b"].error) == ("error", "internal error in the detokenizer (RuntimeError)")
+    assert (done["c"].finish_reason, done["c"].error) == ("error", "internal error in drafter 'x' (KeyError)")
+    assert [seq_id for seq_id, _ in sched.faults] == ["b"] and "d" not in done
+    assert [e.token_ids for e in events if isinstance(e, TokensEvent) and e.seq_id == "d"] == \
+        [(continuation((7, 8), 1)[0],)]
+    assert [e.seq_id for e in sched.fail_all("boom")] == ["d"]
     assert sched.in_flight is None and not sched.has_work
     sched = make_scheduler()
     sched.add(Request("c", (1, 2), max_tokens=4))
