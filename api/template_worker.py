@@ -7,7 +7,8 @@ one JSON request a line from stdin and writes one JSON reply a line to stdout:
 
     {"template": "...", "messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": true,
      "variables": {}, "max_chars": 1048576}
-    -> {"text": "<|im_start|>user\\nHi<|im_end|>\\n..."}  or  {"error": "raised" | "too_long" | "memory", "message": "..."}
+    -> {"text": "<|im_start|>user\\nHi<|im_end|>\\n..."}
+    or {"error": "raised" | "too_long" | "memory", "message": "..."}
 
 After a memory error it replies, then exits (the parent starts another): a process that ran out of memory once is
 not trusted with the next render.

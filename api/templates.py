@@ -115,7 +115,8 @@ class TemplateRenderer:
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError,
                     anyio.DelimiterNotFound, ValueError) as exc:
                 code = await self._exit_code(worker)
-                raise TemplateLimitExceeded(f"the chat template's render ended its worker ({self._why(code, exc)})") from None
+                why = self._why(code, exc)
+                raise TemplateLimitExceeded(f"the chat template's render ended its worker ({why})") from None
             finally:
                 if keep:
                     self._idle.append(worker)

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from .config import ModelConfig, ModelFormatError, from_gguf
-from .gguf_layout import open_gguf
+from .gguf_layout import checked_reader, open_gguf
 from .tokenizer import CONTROL, NORMAL, UNUSED, GGUFVocab, byte_decoder, write_vocab
 from .quant_blocks import row_bytes
 from .weights import Attention, BlockRows, DenseFfn, GatedDeltaNet, Layer, MoeFfn, Mtp, Q8Rows, Weights
@@ -290,9 +290,9 @@ def read_gguf(
     ggml types in keep_blocks); every defect raises ModelFormatError naming the file and the tensor. finish_layer
     (optional): applied to each `Layer` as soon as it is read (the loader fuses and places it, so that the numpy
     copies of one layer at a time exist beside the final weights). reader: the file already opened (`open_gguf`),
-    which is then not parsed again."""
+    which is then not parsed again (one opened otherwise has its header checked first: `gguf_layout`)."""
     path = str(path)
-    reader = reader or open_gguf(path)
+    reader = checked_reader(reader, path) if reader is not None else open_gguf(path)
     cfg = from_gguf(reader, path)
     ts = _Tensors(reader, path, keep_f16, keep_q8_0, frozenset(keep_blocks))
     V, E = cfg.n_vocab, cfg.n_embd

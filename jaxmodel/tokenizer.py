@@ -20,7 +20,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from .config import ModelFormatError
-from .gguf_layout import open_gguf
+from .gguf_layout import checked_reader, open_gguf
 
 _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 QWEN35_PATTERN = (
@@ -97,8 +97,9 @@ class GGUFVocab:
 
 def read_vocab(source: gguf.GGUFReader | str | os.PathLike) -> GGUFVocab:
     """The vocabulary metadata of a GGUF file (a path or an open `gguf.GGUFReader`); a missing key or a value of
-    the wrong kind raises ModelFormatError naming the file and key."""
-    reader = source if isinstance(source, gguf.GGUFReader) else open_gguf(source)
+    the wrong kind, or one over the limits of `gguf_layout` (checked before any is read), raises ModelFormatError
+    naming the file and key."""
+    reader = checked_reader(source) if isinstance(source, gguf.GGUFReader) else open_gguf(source)
     path = str(getattr(reader.data, "filename", None) or source)
 
     def value(key: str, kind: type | tuple[type, ...], default=None, items: type | None = None):
