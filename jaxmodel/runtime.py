@@ -48,7 +48,8 @@ class RowLoop:
     iterations roll back by replay (two planes; n_draft at most the runtime's replay pool), else by snapshot;
     optimistic: they replay optimistically (see `StepRow`). lookup: the drafts come from an n-gram lookup on
     device over the row's last `LOOKUP_HISTORY` tokens and what the call commits (`jaxmodel.ngram_lookup`), at most
-    the runtime's lookup_drafts of them, instead of the MTP head."""
+    the runtime's lookup_drafts of them, instead of the MTP head. The planes never include the null plane (a
+    sequence's first row reads it, and runs one iteration)."""
 
     n_draft: int
     planes: Sequence[int]
@@ -507,6 +508,8 @@ class Runtime:
             if r.loop.replay and (b >= self.replay_slots or r.loop.n_draft > self.replay_tokens):
                 raise ValueError(f"row {b}: replay iterations need a replay slot and at most "
                                  f"{self.replay_tokens} drafts")  # fmt: skip
+            if NULL_PLANE in r.loop.planes:
+                raise ValueError(f"row {b}: its iterations would write the null plane (planes {r.loop.planes})")
             loops[b], replay[b], optimistic[b] = True, r.loop.replay, r.loop.optimistic
             n_draft[b], budget[b] = r.loop.n_draft, r.loop.budget
             planes[b, : len(r.loop.planes)] = r.loop.planes[:width]

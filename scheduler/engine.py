@@ -30,7 +30,7 @@ from drafters.policy import (Choice, DrafterPolicy, PolicyParams, SpeculativeCon
                              expected_accepted)
 from jaxmodel.model import Model
 from jaxmodel.runtime import RowLoop, RowResult, Runtime, Shapes, StepRow
-from jaxmodel.state import (KV_DTYPES, backlog_bytes_per_token, bytes_per_plane, kv_bytes_per_page,
+from jaxmodel.state import (KV_DTYPES, NULL_PLANE, backlog_bytes_per_token, bytes_per_plane, kv_bytes_per_page,
                             replay_bytes_per_token)
 
 from .core import Scheduler
@@ -479,7 +479,8 @@ class Engine:
         p_min = config.p_min if config else 0.0
         loop = None
         name, lookup = self._loop_drafter(row, choices)
-        if (may_loop and row.needs_logits and len(row.fed) == 1 and row.mode in ("snapshot", "replay", None)
+        if (may_loop and row.needs_logits and len(row.fed) == 1 and row.read_plane != NULL_PLANE
+                and row.mode in ("snapshot", "replay", None)
                 and row.drafter in (None, name) and not request.stop_strings):
             if lookup is not None:
                 n_draft = min(choices[0].n_draft, row.draft_max, self.runtime.lookup_drafts)

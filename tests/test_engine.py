@@ -406,6 +406,27 @@ def test_end_of_generation_id_ends_a_sequence_inside_a_device_loop(target, promp
     assert done.finish_reason == "stop" and done.completion_tokens == len(expected) + 1
 
 
+def test_a_one_token_prompt_leaves_the_null_plane_alone(target, prompts, references):
+    """A one-token prompt's first row reads the null plane (the zeros every new sequence starts from) and feeds one
+    token, the shape of a decoding row; its later iterations in the call must not write the null plane, or every
+    later sequence starts from its state. The first row runs one iteration; the prompt's own tokens and a later
+    request's are their greedy ones, and the null plane stays zero."""
+
+    async def main():
+        engine = engine_of(target)
+        async with engine:
+            one = await collect(engine, GenerationRequest((15,), MAX_TOKENS))
+            later = await collect(engine, GenerationRequest(prompts[0], MAX_TOKENS))
+        return engine, one, later
+
+    engine, one, later = anyio.run(main)
+    assert one[0] == plain_greedy(target, (15,), MAX_TOKENS)
+    assert later[0] == references[prompts[0]]
+    state = engine.runtime.state
+    for plane_pool in (*state.conv, *state.ssm, state.hidden):
+        assert not np.asarray(plane_pool[0]).any()
+
+
 def test_requests_are_served_while_shapes_compile_in_the_background(target, prompts, references):
     """With background warm-up the engine serves at once: a request arriving before any shape has compiled gets
     plain greedy's tokens (its steps compile what they need), and the warm-up then finishes with the policy's
