@@ -343,6 +343,28 @@ class LoopOutput:
     n_drafts: jax.Array  # [K-1, B] int32, drafts fed
 
 
+@pytree
+class LoopCarry:
+    """The state of a call's later iterations, carried from one to the next (B rows; W tokens a later iteration
+    feeds at most; D = the MTP chain's width)."""
+
+    j: jax.Array  # [] int32: the iteration to run next (the first, run before the loop, is 0)
+    active: jax.Array  # [B] bool: rows still iterating
+    live: jax.Array  # [B] int32: each row's live plane, the state after its last committed token
+    start: jax.Array  # [B] int32: the position of each row's bonus token
+    bonus: jax.Array  # [B] int32: the target's token after the last accepted one, fed next
+    drafts: jax.Array  # [B, D] int32: the MTP head's latest drafts (what goes back to the host)
+    n_drafted: jax.Array  # [B] int32
+    offered: jax.Array  # [B, max(W - 1, 1)] int32: the drafts the next iteration may feed (the head's or the lookup's)
+    n_offered: jax.Array  # [B] int32
+    n_committed: jax.Array  # [B] int32: tokens committed in this call so far
+    history: jax.Array  # [B, H] int32: the lookup's history (a placeholder without a lookup)
+    history_len: jax.Array  # [B] int32
+    record: LoopOutput  # what each later iteration did, for the host
+    held: jax.Array  # [B] int32: tokens held in each row's backlog slot (0 without one)
+    state: ModelState
+
+
 def _next_write_planes(planes: jax.Array, live: jax.Array) -> jax.Array:
     """planes [B, P] without the live plane [B], in order: [B, P - 1]."""
     order = jnp.argsort(planes == live[:, None], axis=1, stable=True)
@@ -476,24 +498,24 @@ def speculative_step(
         return jnp.where(looking[:, None], found, mtp), jnp.where(looking, n_found, n_drafted)
 
     offered, n_offered = offers(first.drafts, first.n_drafted, history, history_len)
-    carry = (1, active, live, start, bonus, first.drafts, first.n_drafted, offered, n_offered, n_committed, history,
-             history_len, record, first.held, state)  # fmt: skip
+    carry = LoopCarry(jnp.int32(1), active, live, start, bonus, first.drafts, first.n_drafted, offered, n_offered,
+                      n_committed, history, history_len, record, first.held, state)  # fmt: skip
 
-    def n_fed_of(carry):  # drafts each row feeds in the next iteration
-        active, n_offered = carry[1], carry[8]
-        return jnp.where(active, jnp.minimum(jnp.minimum(loop.n_draft, n_offered), W - 1), 0)
+    def n_fed_of(carry: LoopCarry) -> jax.Array:  # drafts each row feeds in the next iteration
+        return jnp.where(carry.active, jnp.minimum(jnp.minimum(loop.n_draft, carry.n_offered), W - 1), 0)
 
-    def more(carry):
-        j, active = carry[0], carry[1]
-        return (j < jnp.minimum(loop.n_iterations, max_iterations)) & jnp.any(active)
+    def more(carry: LoopCarry) -> jax.Array:
+        return (carry.j < jnp.minimum(loop.n_iterations, max_iterations)) & jnp.any(carry.active)
 
     def iterate(width: int):
         """One later iteration over `width` tokens per row (1: no row feeds a draft), its record padded to W."""
         index = jnp.arange(width)[None, :]
 
-        def body(carry):
-            (j, active, live, start, bonus, drafts, n_drafted, offered, _, n_committed, history, history_len, record,
-             held, state) = carry  # fmt: skip
+        def body(carry: LoopCarry) -> LoopCarry:
+            j, active, live, start, bonus = carry.j, carry.active, carry.live, carry.start, carry.bonus
+            drafts, n_drafted, offered, n_committed = carry.drafts, carry.n_drafted, carry.offered, carry.n_committed
+            history, history_len, record, held, state = (carry.history, carry.history_len, carry.record, carry.held,
+                                                         carry.state)  # fmt: skip
             n_fed = n_fed_of(carry)
             tokens = jnp.concatenate([bonus[:, None], offered[:, : width - 1]], axis=1)
             tokens = jnp.where(index <= n_fed[:, None], tokens, 0)  # [B, width]
@@ -536,8 +558,8 @@ def speculative_step(
             active = (active & ~_stops(out.tokens, a + 1, loop.stop_ids) & (n_committed < loop.budget)
                       & (start + loop.n_draft < loop.capacity))  # fmt: skip
             offered, n_offered = offers(drafts, n_drafted, history, history_len)
-            return (j + 1, active, live, start, bonus, drafts, n_drafted, offered, n_offered, n_committed, history,
-                    history_len, record, held, state)  # fmt: skip
+            return LoopCarry(j + 1, active, live, start, bonus, drafts, n_drafted, offered, n_offered, n_committed,
+                             history, history_len, record, held, state)  # fmt: skip
 
         return body
 
@@ -554,9 +576,8 @@ def speculative_step(
         carry = jax.lax.while_loop(more, runs, carry)
     else:
         carry = jax.lax.while_loop(more, iterate(W), carry)
-    drafts, n_drafted, record, held, state = carry[5], carry[6], carry[12], carry[13], carry[14]
-    first = SpeculativeOutput(first.n_accepted, first.tokens, drafts, n_drafted, held)
-    return (first, record), state
+    first = SpeculativeOutput(first.n_accepted, first.tokens, carry.drafts, carry.n_drafted, carry.held)
+    return (first, carry.record), carry.state
 
 
 def draft_chain(
