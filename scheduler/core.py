@@ -104,13 +104,14 @@ class Scheduler:
     detokenizer: makes one incremental detokenizer per request (for stop strings and text deltas).
     max_model_len: positions per sequence; prompt + output never exceed it (finish reason "length").
     token_budget: tokens fed per step, drafts included (an attribute the engine may change between steps).
-    rollback_costs: what replay and checkpoint cost, for rollback="auto" (an attribute the engine keeps measured).
     max_running: sequences holding memory at once.
     chunk_size: the most tokens one row feeds before its drafts (prompt chunks, replays); default token_budget.
+    lookahead: positions beyond a step's tokens worth holding pages for, while nobody waits (the tokens a device
+    call's later iterations may commit).
     """
 
     def __init__(self, memory: MemoryManager, detokenizer: Callable[[], Detokenizer], *, max_model_len: int,
-                 token_budget: int, max_running: int, chunk_size: int | None = None):
+                 token_budget: int, max_running: int, chunk_size: int | None = None, lookahead: int = 0):
         if token_budget < 1 or max_running < 1 or max_model_len < 2:
             raise ValueError("token_budget and max_running must be >= 1, max_model_len >= 2")
         if pages_for(max_model_len, memory.page_size) > memory.usable_pages:
@@ -123,8 +124,8 @@ class Scheduler:
         self.token_budget = token_budget
         self.max_running = max_running
         self.chunk_size = chunk_size or token_budget
-        self.lookahead = 0  # positions beyond a step's tokens worth holding pages for, while nobody waits
-        self.rollback_costs = RollbackCosts()  # what replay and checkpoint cost, for rollback="auto" (the engine's)
+        self.lookahead = lookahead
+        self.rollback_costs = RollbackCosts()  # what replay and checkpoint cost, for rollback="auto" (`schedule`)
         self._detokenizer = detokenizer
         self._seqs: dict[SeqId, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
@@ -206,14 +207,18 @@ class Scheduler:
         return [seq.request.seq_id for seq in self._running
                 if seq.request.n_max > 0 and 0 < seq.to_compute <= self.chunk_size]
 
-    def schedule(self, drafts: Mapping[SeqId, DraftPlan] | None = None) -> StepPlan:
+    def schedule(self, drafts: Mapping[SeqId, DraftPlan] | None = None,
+                 rollback_costs: RollbackCosts | None = None) -> StepPlan:
         """The next step's plan. Its rows must be committed with `update` (or dropped with `fail`) before the next.
         A plan without rows needs neither.
 
         drafts: the drafter policy's plan per sequence, made first; memory is then granted for it (a draft may come
         out shorter, never longer). A sequence without an entry may draft up to its request's n_max, at an assumed
-        acceptance of PRIOR_ACCEPTANCE.
+        acceptance of PRIOR_ACCEPTANCE. rollback_costs: what each rollback mode costs now, for rollback="auto" (kept
+        for the steps that follow without).
         """
+        if rollback_costs is not None:
+            self.rollback_costs = rollback_costs
         if self._in_flight is not None:
             raise RuntimeError(f"step {self._in_flight.step} is still in flight")
         self._step += 1

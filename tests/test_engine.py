@@ -100,7 +100,7 @@ def test_the_policy_declines_a_batch_whose_measured_rate_falls_with_drafting(tar
         engine = engine_of(target, extra_drafters=[synthetic])
         rates = {(B, name): 1000.0 * (drafting_rate if name else 1.0)
                  for B in (1, 4, 6) for name in (None, "synthetic")}  # fmt: skip
-        engine.step_times = StepTimes(decay=1.0, rates=rates)  # these rates only, whatever the calls measure
+        engine.speculator.step_times = StepTimes(decay=1.0, rates=rates)  # these rates only, whatever the calls measure
         async with engine:
             return await collect_staggered(engine, [(GenerationRequest(p, MAX_TOKENS, speculative=spec), 0.0)
                                                     for p in chosen])  # fmt: skip
@@ -343,10 +343,10 @@ def test_calls_that_traced_are_not_priced(target, prompts, references):
     jax.clear_caches()
     anyio.run(run, engine)
     assert engine.steps == 2
-    assert not engine.policy.costs.target and not engine.policy.costs.single and not engine._iteration_seconds
+    assert not engine.policy.costs.target and not engine.policy.costs.single and not engine.speculator._iteration_seconds
     anyio.run(run, engine)
     assert engine.steps == 4
-    assert sum(line.w for line in engine.policy.costs.target.values()) == 1.0 and engine._iteration_seconds
+    assert sum(line.w for line in engine.policy.costs.target.values()) == 1.0 and engine.speculator._iteration_seconds
 
 
 @pytest.mark.parametrize("rollback", ["snapshot", "replay"])
@@ -489,7 +489,7 @@ def test_a_looping_call_is_priced_by_the_tokens_its_later_iterations_verified():
     -1) and the other none; the third runs the first row alone. The call verified 8 tokens in 3 iterations, not
     2 per iteration as its first iteration alone says."""
     from jaxmodel.runtime import Iteration, RowResult
-    from scheduler.engine import tokens_per_iteration
+    from scheduler.speculator import tokens_per_iteration
 
     first = RowResult(0, [5], [], more=[Iteration([6, 7, -1], 2, [6, 7, 9]), Iteration([], 0, [10])])
     second = RowResult(0, [8], [], more=[Iteration([], 0, [11])])

@@ -1,0 +1,501 @@
+"""The speculator: what one engine step does between the scheduler's plan and its update (docs/design.md "The
+scheduler's step"). Before the plan, the drafter policy's choices per sequence and the batch gate (`plan`), which
+the scheduler grants memory for; with the plan, the drafters' proposals, the rows the device runs, the device call
+and its iterations, the costs it reports to the policy and the drafters' hooks (`run`), returning what the scheduler
+commits (`StepResult`). The scheduler never calls a drafter; the speculator never changes the scheduler's state.
+
+    choices = speculator.plan()
+    plan = scheduler.schedule(speculator.draft_plans(choices), speculator.rollback_costs())
+    result = speculator.run(plan, choices, quiet)
+    events = scheduler.update(result.plan, result.committed, result.continued, result.failed)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from drafters.base import Draft, DraftRequest, Drafter
+from drafters.policy import Choice, DrafterPolicy, SpeculativeConfig, drafting_pays, expected_accepted
+from jaxmodel.runtime import Calibration, RowLoop, RowResult, Runtime, StepRow
+from jaxmodel.state import NULL_PLANE
+
+from .core import Scheduler
+from .memory import RollbackCosts, replay_plane_wrong
+from .step_times import StepTimes
+from .types import Committed, Continued, DraftPlan, Row, SeqId, StepPlan
+
+log = logging.getLogger("gdnspec.engine")
+
+# The batch gate's probes (`Speculator._gate_closed`): a step drafts after this many declined steps, then twice as many,
+# up to the most.
+GATE_PROBE_MIN, GATE_PROBE_MAX = 16, 128
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step's device call gave the scheduler to commit (`Scheduler.update`): the plan with the drafts its
+    rows verified, per row with logits its verified tokens, per row that ran later iterations what each committed,
+    and per row whose part of the step failed the error it ends with."""
+
+    plan: StepPlan
+    committed: Mapping[SeqId, Committed]
+    continued: Mapping[SeqId, Sequence[Continued]]
+    failed: Mapping[SeqId, str]
+
+
+def tokens_per_iteration(first: int, results: Sequence[RowResult], n_iterations: int) -> float:
+    """The tokens a device call of `n_iterations` iterations verified per iteration: `first` in its first
+    iteration (the plan's rows, drafts included), and in each later one 1 + the drafts of every row that ran it
+    (`RowResult.more`). A call whose later iterations draft on device costs more per iteration than its first
+    iteration's tokens say; priced by those alone, drafting looked cheaper the more it was done.
+
+    Example: two rows, the first iteration plain (2 tokens); in the second, one row verifies 3 drafts and the
+    other none; in the third only the first row runs, without drafts: (2 + (4 + 1) + 1) / 3 = 8/3."""
+    later = sum(1 + len(it.drafts) for result in results for it in result.more)
+    return (first + later) / n_iterations
+
+
+class Speculator:
+    """Drafting and the device call for one engine: its runtime, drafters and drafter policy, reading the
+    scheduler's sequences (`Scheduler.request`, `tokens`, `remaining`) but never changing them.
+
+    n_vocab: the target's vocabulary (a draft token outside it is its drafter's fault). n_max: the longest draft
+    the engine serves. adaptive, iterations, max_call_seconds: as `Engine` takes them."""
+
+    def __init__(self, scheduler: Scheduler, runtime: Runtime, drafters: Mapping[str, Drafter],
+                 policy: DrafterPolicy, *, n_vocab: int, n_max: int, adaptive: bool, iterations: int,
+                 max_call_seconds: float | None):
+        self.scheduler = scheduler
+        self.runtime = runtime
+        self.drafters = dict(drafters)
+        self.policy = policy
+        self.n_vocab = n_vocab
+        self.n_max = n_max
+        self.adaptive = adaptive
+        self.iterations = iterations
+        self.max_call_seconds = max_call_seconds
+        self._iteration_seconds: dict[int, float] = {}  # rows -> seconds per iteration of the last decoding call
+        self.step_times = StepTimes()  # the batch gate's prices (`_batch_declines`)
+        self._lookup_drafter = next((d.name for d in self.drafters.values() if d.device_lookup() is not None), None)
+        self._batch_declined = False  # this step's drafts did not pay for its batch: no row drafts or chains
+        self._faults: dict[SeqId, str] = {}  # this step's rows whose part of it failed -> the error they end with
+        self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN  # declined steps until the batch's next probe
+        self._backlog_slots: dict[SeqId, int] = {}  # sequence -> its slot in the MTP head's backlog
+        self._free_backlog_slots = list(range(len(runtime.backlog_held)))
+
+    def draft_plans(self, choices: Mapping[SeqId, Sequence[Choice]]) -> dict[SeqId, DraftPlan]:
+        """What the scheduler grants memory for: per sequence the longest planned draft and the first choice's
+        acceptance estimate (none planned: `DraftPlan(0, 0.0)`, which borrows nothing)."""
+        return {
+            seq_id: DraftPlan(max(c.n_draft for c in options), self.policy.acceptance(seq_id, options[0].drafter))
+            if options else DraftPlan(0, 0.0)
+            for seq_id, options in choices.items()
+        }  # fmt: skip
+
+    def run(self, plan: StepPlan, choices: Mapping[SeqId, list[Choice]], quiet: bool) -> StepResult:
+        """A scheduled step: the drafters' proposals for its rows, one device call (forward, verification and the
+        next on-device drafts, several iterations of it when the host has nothing to decide between them), its
+        costs to the policy and its results to the drafters. quiet: no request is arriving (so nothing waits for
+        the host). A fault in one row's part of it fails that row alone (`StepResult.failed`)."""
+        self._faults = {}
+        plan = self._attach_drafts(plan, choices)
+        iterations = self._call_iterations(plan, quiet)
+        rows = [self._isolated_step_row(row, len(plan.rows), iterations > 1, choices.get(row.seq_id, ()))
+                for row in plan.rows]
+        start = time.perf_counter()
+        results = self._run(rows, iterations)
+        if all(isinstance(result, RowResult) for result in results):
+            self._record_costs(plan, rows, results, time.perf_counter() - start)
+        committed, continued = {}, {}
+        for row, result in zip(plan.rows, results):
+            if not isinstance(result, RowResult):
+                self._fault(row.seq_id, "the model step", result)
+            elif row.needs_logits and row.seq_id not in self._faults:
+                try:
+                    committed[row.seq_id], continued[row.seq_id] = self._commit(row, result, choices)
+                except Exception as exc:  # a drafter's hook: its sequence ends, the batch-mates go on
+                    self._fault(row.seq_id, self.culprit(exc), exc)
+        return StepResult(plan, committed, continued, dict(self._faults))
+
+    def release(self, seq_id: SeqId) -> None:
+        """Forget an ended sequence: its drafters' and the policy's state, its backlog slot."""
+        for drafter in self.drafters.values():
+            try:
+                drafter.release(seq_id)
+            except Exception:  # a faulty drafter must not keep the others from releasing
+                log.exception("drafter %r failed to release sequence %s", drafter.name, seq_id)
+        self.policy.release(seq_id)
+        slot = self._backlog_slots.pop(seq_id, None)
+        if slot is not None:
+            self.runtime.release_backlog(slot)
+            self._free_backlog_slots.append(slot)
+
+    def shapes_to_compile(self) -> Iterator[object]:
+        """The runtime's and the drafters' warm-ups, one compiled shape an item."""
+        yield from self.runtime.warmup()
+        for drafter in self.drafters.values():
+            yield from drafter.warmup()
+
+    def calibrate(self, spare_planes: Sequence[int]) -> Calibration:
+        """Time the runtime's steps (`Runtime.calibrate`, lent `spare_planes` to time snapshot's state writes in)
+        and give the policy and the batch gate their first prices."""
+        calibration = self.runtime.calibrate(spare_planes=spare_planes)
+        self.policy.calibrate(calibration.step_seconds)
+        self.step_times.calibrate({**calibration.step_seconds, **calibration.longer_step_seconds})
+        return calibration
+
+    def plan(self) -> dict[SeqId, list[Choice]]:
+        """The policy's drafters and lengths, in order, for every sequence that may draft this step, chosen before
+        memory is granted (an empty plan borrows no planes)."""
+        may_draft = self.scheduler.may_draft()
+        planned = {}
+        for seq_id in may_draft:
+            config = self._speculative(seq_id)
+            if config is None:
+                continue
+            if self.adaptive:
+                choices = self.policy.plan(seq_id, config, len(may_draft))
+            else:
+                choices = [Choice(name, config.n_max) for name in config.drafters]
+            planned[seq_id] = [c for c in choices if c.n_draft > 0]
+        self._batch_declined = self.adaptive and self._gate_closed(planned, len(may_draft))
+        return {} if self._batch_declined else planned
+
+    def _gate_closed(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
+        """Whether the batch gate keeps this step from drafting (`_batch_declines`). A gate that stays closed lets
+        one step draft after GATE_PROBE_MIN declined steps, then twice as many, up to GATE_PROBE_MAX (a batch probe:
+        acceptance is learnt only from drafts, and every row drafts in it, so that they share its padding); a step
+        that pays resets the wait (one that plans no draft says nothing, and leaves it)."""
+        if not any(planned.values()):
+            return False
+        if not self._batch_declines(planned, n_rows):
+            self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN
+            return False
+        if self._gate_wait > 0:
+            self._gate_wait -= 1
+            return True
+        self._gate_wait, self._gate_interval = self._gate_interval, min(2 * self._gate_interval, GATE_PROBE_MAX)
+        return False
+
+    def _batch_declines(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
+        """Whether the drafts the policy chose per sequence would cost the step's batch of n_rows rows more than
+        they return. Where the engine has measured both at this batch size: whether its calls drafting with the
+        drafter most rows chose committed fewer tokens per second than its calls in which no row drafted (all of
+        it measured: the padding, rows without a draft, the chain, the rebuild). Until then an estimate
+        (`policy.drafting_pays`): the step at the longest draft's padded length against the plain step
+        (`step_times`: measured under load where both are, in calls of one iteration where a drafter drafts on
+        the host; else calibrated, then with the MTP chain's calibrated cost added), for every row's expected
+        accepted drafts at its acceptance estimate. No price yet: no decline."""
+        firsts = [(seq_id, options[0]) for seq_id, options in planned.items() if options]
+        if not firsts or self.runtime.shapes is None:
+            return False
+        B = self.runtime.shapes.batch(n_rows)
+        drafter = Counter(choice.drafter for _, choice in firsts).most_common(1)[0][0]
+        rates = self.step_times.plain_and_drafting_rates(B, drafter)
+        if rates is not None:
+            return rates[1] <= rates[0]
+        longest = max(choice.n_draft for _, choice in firsts)
+        T = self.runtime.shapes.tokens(1 + longest)
+        host = any(c.drafter in self.policy.params.host_drafters for _, c in firsts)
+        prices = self.step_times.plain_and_drafting(B, T, host)
+        if prices is None:
+            return False
+        plain, drafting, measured = prices
+        if not measured and any(self.drafters[c.drafter].device_chain(seq_id, 1) > 0 for seq_id, c in firsts):
+            drafting += self.runtime.chain_cost(n_rows) * longest
+        gain = sum(expected_accepted(self.policy.acceptance(seq_id, c.drafter), c.n_draft) for seq_id, c in firsts)
+        return not drafting_pays(n_rows, gain, plain, drafting)
+
+    def rollback_costs(self) -> RollbackCosts:
+        """What each rollback mode costs now, for the memory rule's choice: the rebuild's, the verify steps' and
+        snapshot's per state written, as calibrated at this many rows, and the policy's measured per-token cost of a
+        target step (what replayed tokens cost until calibrated; the rebuild then costs as much as one of them)."""
+        n_rows = max(self.scheduler.n_running, 1)
+        per_token = self.policy.token_seconds(n_rows)
+        rebuild_seconds, rebuild_rows = self.runtime.rebuild_cost(n_rows) or (per_token, 0)
+        return RollbackCosts(token_seconds=per_token, rebuild_seconds=rebuild_seconds, rebuild_rows=rebuild_rows,
+                             step_seconds=self.runtime.step_costs(n_rows),
+                             plane_write_seconds=self.runtime.plane_write_cost(n_rows))
+
+    def _attach_drafts(self, plan: StepPlan, choices: dict[SeqId, list[Choice]]) -> StepPlan:
+        """Per sequence, the policy's drafters in order; each round batches the sequences still without a draft
+        by drafter, so every drafter proposes once per round for all the sequences that chose it."""
+        options = {}
+        for row in plan.rows:
+            config = self._speculative(row.seq_id)
+            if row.draft_max > 0 and config is not None and choices.get(row.seq_id):
+                options[row.seq_id] = (row, config, choices[row.seq_id])
+        drafts, names = {}, {}
+        for round_ in itertools.count():
+            by_drafter: dict[str, list] = {}
+            for seq_id, (row, config, choices) in options.items():
+                if seq_id not in drafts and round_ < len(choices):
+                    by_drafter.setdefault(choices[round_].drafter, []).append((row, config, choices[round_]))
+            if not by_drafter:
+                break
+            for name, entries in by_drafter.items():
+                requests = [
+                    DraftRequest(row.seq_id, self.scheduler.tokens(row.seq_id), min(choice.n_draft, row.draft_max),
+                                 config.p_min)
+                    for row, config, choice in entries
+                ]  # fmt: skip
+                start = time.perf_counter()
+                proposals = self._propose(name, requests)
+                share = (time.perf_counter() - start) / len(requests)
+                # Drafters that draft on device are costed in `_record_costs` (the MTP chain) or inside the target's
+                # iterations (the lookup, whose host proposal is one per call, not per iteration).
+                on_device = name not in self.policy.params.host_drafters
+                for (row, config, _), proposal in zip(entries, proposals):
+                    if isinstance(proposal, Exception):
+                        self._fault(row.seq_id, f"drafter {name!r}", proposal)
+                        options.pop(row.seq_id)
+                        continue
+                    if not on_device:
+                        self.policy.record_proposal(name, share, len(proposal.tokens))
+                    if len(proposal.tokens) >= config.n_min:
+                        drafts[row.seq_id] = proposal.tokens[: row.draft_max]
+                        names[row.seq_id] = name
+        return plan.with_drafts(drafts, names)
+
+    def _propose(self, name: str, requests: list[DraftRequest]) -> list[Draft | Exception]:
+        """The drafter's proposals for `requests`, one call for all; where that raises or proposes a token outside
+        the vocabulary, each request alone, so that a request whose proposal fails gets its exception and the
+        others their drafts."""
+        try:
+            proposals = self.drafters[name].propose(requests)
+            if len(proposals) != len(requests):
+                raise ValueError(f"{len(proposals)} proposals for {len(requests)} requests")
+            n_vocab = self.n_vocab
+            for proposal in proposals:
+                if not all(0 <= token < n_vocab for token in proposal.tokens):
+                    raise ValueError(f"a draft token outside the vocabulary of {n_vocab}: {proposal.tokens[:8]}")
+            return proposals
+        except Exception as exc:
+            if len(requests) == 1:
+                return [exc]
+        return [self._propose(name, [request])[0] for request in requests]
+
+    def _call_iterations(self, plan: StepPlan, quiet: bool) -> int:
+        """Iterations for this step's call. All it may (`_iterations`) while no request waits or arrives; with every
+        row taken, until the first row that can end by length does (nothing waiting or arriving can start before a
+        row frees, and a row that ends sooner, at a stop token, holds the next one back for at most a call); one
+        otherwise, so that a request waiting for memory or for the step's token budget is taken at the next step."""
+        most = self._iterations(len(plan.rows))
+        if quiet and not self.scheduler.n_waiting:
+            return most
+        if self.scheduler.n_running >= self.scheduler.max_running:
+            return max(1, min(most, *(self.scheduler.remaining(row.seq_id) for row in plan.rows)))
+        return 1
+
+    def _iterations(self, n_rows: int) -> int:
+        """The most iterations a call of n_rows rows may run: `iterations`, fewer where `max_call_seconds` says."""
+        per_iteration = self._iteration_seconds.get(n_rows)
+        if self.max_call_seconds is None or not per_iteration:
+            return self.iterations
+        return max(1, min(self.iterations, int(self.max_call_seconds / per_iteration)))
+
+    def _step_row(self, row: Row, batch_size: int, may_loop: bool, choices: Sequence[Choice] = ()) -> StepRow:
+        """The runtime's view of a plan row: its drafts, sampling, the drafts to chain on device for its next step
+        (as long as the policy would plan for each drafter that chains on device), and whether it may run more
+        iterations in the same call (a decoding row in plain, snapshot or replay mode, without stop strings, whose
+        drafts come from the device: the MTP head's, or the n-gram lookup's where the policy chose it; `choices`
+        are the policy's for this step)."""
+        request = self.scheduler.request(row.seq_id)
+        config = request.speculative
+        n_chain = -1
+        for drafter in self._drafters_of(row):
+            n_next = self.policy.length(row.seq_id, drafter.name, config, batch_size) if self.adaptive else config.n_max
+            n_chain = max(n_chain, drafter.device_chain(row.seq_id, min(n_next, self.n_max)))
+        if self._batch_declined:  # the next step's batch most likely declines too: no chain to prepare for it
+            n_chain = min(n_chain, 0)
+        p_min = config.p_min if config else 0.0
+        loop = None
+        name, lookup = self._loop_drafter(row, choices)
+        if (may_loop and row.needs_logits and len(row.fed) == 1 and row.read_plane != NULL_PLANE
+                and row.mode in ("snapshot", "replay", None)
+                and row.drafter in (None, name) and not request.stop_strings):
+            if lookup is not None:
+                n_draft = min(choices[0].n_draft, row.draft_max, self.runtime.lookup_drafts)
+                lookup = lookup if n_draft > 0 else None
+            else:
+                n_draft = min(max(n_chain, 0), row.draft_max) if name is not None and row.mode is not None else 0
+            loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id),
+                           replay=row.mode == "replay", optimistic=row.optimistic, lookup=lookup,
+                           history=self.scheduler.tokens(row.seq_id) if lookup else ())  # fmt: skip
+        return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop,
+                       replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic,
+                       backlog_slot=self._backlog_slot(row.seq_id) if n_chain >= 0 else -1)
+
+    def _isolated_step_row(self, row: Row, batch_size: int, may_loop: bool, choices: Sequence[Choice]) -> StepRow:
+        """`_step_row`; where that raises (a drafter's `device_chain`, the policy), the row's fault and a row that
+        only verifies (its result is dropped)."""
+        try:
+            return self._step_row(row, batch_size, may_loop, choices)
+        except Exception as exc:
+            self._fault(row.seq_id, self.culprit(exc), exc)
+            return StepRow(row, row.drafts, replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic)
+
+    def _backlog_slot(self, seq_id: SeqId) -> int:
+        """The sequence's slot in the MTP head's backlog, taken at its first row that runs the head (-1 where none
+        is free: a preempted sequence keeps its slot while it waits, so slots can run out; its head then catches up
+        as it goes)."""
+        slot = self._backlog_slots.get(seq_id)
+        if slot is None and self._free_backlog_slots:
+            slot = self._backlog_slots[seq_id] = self._free_backlog_slots.pop()
+        return -1 if slot is None else slot
+
+    def _run(self, rows: list[StepRow], iterations: int) -> list[RowResult | Exception]:
+        """The runtime's step over `rows`. Where it raises before its device call changed the state, the rows run
+        again in halves, down to each row that raises alone, which gets its exception instead of a result (rows
+        are independent, so the others' results are what they would have been). Raises where the state changed
+        or was lost (the step then fails as a whole)."""
+        before = self.runtime.state
+        try:
+            return self.runtime.step(rows, iterations)
+        except Exception as exc:
+            if self.runtime.state is not before or not self.runtime.state_intact():
+                raise
+            if len(rows) == 1:
+                return [exc]
+        half = len(rows) // 2
+        return self._run(rows[:half], iterations) + self._run(rows[half:], iterations)
+
+    def _commit(self, row: Row, result: RowResult, choices: dict[SeqId, list[Choice]]):
+        """A verified row's committed tokens and later iterations, for the scheduler; tells its drafters."""
+        committed = Committed(tuple(result.committed), result.n_accepted)
+        self._observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted, result.committed)
+        n_tokens = row.start + len(row.fed) + len(result.committed)
+        continued = []
+        if result.more:
+            name = self._loop_drafter(row, choices.get(row.seq_id, ()))[0]
+            continued = [Continued(tuple(it.drafts), Committed(it.committed, it.n_accepted),
+                                   name if it.drafts else None) for it in result.more]  # fmt: skip
+            for it in result.more:
+                if it.drafts:
+                    self._observe(row.seq_id, name, len(it.drafts), it.n_accepted, it.committed)
+                n_tokens += len(it.committed)
+        for drafter in self._drafters_of(row):
+            drafter.after_step(row.seq_id, n_tokens, result)
+        return committed, continued
+
+    def _fault(self, seq_id: SeqId, culprit: str, exc: Exception) -> None:
+        """A sequence's part of this step failed: it ends with done(error) naming the culprit; its batch-mates
+        go on."""
+        if seq_id not in self._faults:
+            log.error("sequence %s failed in %s", seq_id, culprit, exc_info=(type(exc), exc, exc.__traceback__))
+            self._faults[seq_id] = f"internal error in {culprit} ({type(exc).__name__})"
+
+    def culprit(self, exc: Exception) -> str:
+        """What raised `exc` in a step, in words: a drafter by name, the model step, the detokenizer, or the
+        innermost function."""
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        for outer, inner in zip(frames, frames[1:]):
+            owner = inner.f_locals.get("self")
+            if owner is self.runtime:
+                return "the model step"
+            if any(owner is drafter for drafter in self.drafters.values()):
+                return f"drafter {owner.name!r}"
+            seq = outer.f_locals.get("seq")
+            if outer.f_code.co_name == "_append" and owner is getattr(seq, "detokenizer", None):
+                return "the detokenizer"
+        code = frames[-1].f_code if frames else None
+        return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}" if code else "the engine"
+
+    def _record_costs(self, plan: StepPlan, rows: list[StepRow], results, seconds: float) -> None:
+        """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
+        (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
+        the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
+        rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
+        reported: their cost follows the chunk, not the drafts. The time per iteration is priced by the tokens an
+        iteration verified on average, later iterations' device drafts included (`tokens_per_iteration`). Also
+        keeps the call's time per iteration for `max_call_seconds` (`_iterations`) and, by its rows and tokens per
+        row, for the batch gate (`step_times`). A call that traced is not reported: its time is mostly
+        compilation."""
+        if self.runtime.last_step_traced or not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
+            return
+        n_iterations = 1 + max(len(r.more) for r in results)
+        self._iteration_seconds[len(rows)] = seconds / n_iterations  # the last call's, so a slow one passes
+        if self.runtime.shapes is not None:
+            tokens = self.runtime.shapes.tokens(max(len(row.tokens) for row in plan.rows))
+            B = self.runtime.shapes.batch(len(rows))
+            self.step_times.record(B, tokens, seconds / n_iterations, looped=n_iterations > 1)
+            committed = sum(len(r.committed) + sum(len(it.committed) for it in r.more) for r in results)
+            self.step_times.record_rate(B, self._call_drafter(plan, rows), committed, seconds)
+        chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
+        per_draft = self.runtime.chain_cost(len(rows))
+        chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
+        rebuild_seconds = self._rebuild_seconds(rows, results)
+        self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),
+                                  tokens_per_iteration(plan.n_tokens, results, n_iterations), n_iterations,
+                                  len(plan.rows))  # fmt: skip
+        n_chained = sum(n for _, n in chaining)
+        for row, n_chain in chaining:
+            name = self._device_drafter(row)
+            if name is not None:
+                self.policy.record_proposal(name, chain_seconds * n_chain / n_chained, n_chain)
+
+    def _call_drafter(self, plan: StepPlan, rows: list[StepRow]) -> str | None:
+        """The drafter most of a call's rows drafted with or were given to draft with: a row's own drafts' drafter,
+        else the n-gram lookup where its iterations looked up (whether or not it found a draft), else the MTP head
+        where it chained; None where no row did any of it (the rate plain decoding is measured by: a call whose
+        lookup found nothing still paid for the lookup)."""
+        names: Counter[str] = Counter()
+        for row, step_row in zip(plan.rows, rows):
+            if row.drafts:
+                name = row.drafter
+            elif step_row.loop is not None and step_row.loop.lookup is not None:
+                name = self._lookup_drafter
+            else:
+                name = self._device_drafter(row) if step_row.n_chain > 0 else None
+            if name is not None:
+                names[name] += 1
+        return names.most_common(1)[0][0] if names else None
+
+    def _rebuild_seconds(self, rows: list[StepRow], results) -> float:
+        """What a device call spent rebuilding replay rows: per iteration, a calibrated pass per rebuild_rows of
+        its wrong planes (`replay_plane_wrong`)."""
+        cost = self.runtime.rebuild_cost(len(rows))
+        if cost is None:
+            return 0.0
+        seconds, per_pass = cost
+        wrong: Counter[int] = Counter()  # iteration -> wrong planes
+        for r, result in zip(rows, results):
+            if r.replay:
+                wrong[0] += replay_plane_wrong(r.optimistic, len(r.drafts), result.n_accepted)
+            if r.loop is not None and r.loop.replay:
+                for j, later in enumerate(result.more, start=1):
+                    if later.drafts:
+                        wrong[j] += replay_plane_wrong(r.loop.optimistic, len(later.drafts), later.n_accepted)
+        return seconds * sum(-(-n // per_pass) for n in wrong.values())
+
+    def _observe(self, seq_id, drafter: str | None, drafted: int, accepted: int, committed) -> None:
+        if drafter is not None:
+            self.drafters[drafter].observe(seq_id, accepted, committed)
+            self.policy.observe(seq_id, drafter, drafted, accepted)
+
+    def _speculative(self, seq_id: SeqId) -> SpeculativeConfig | None:
+        return self.scheduler.request(seq_id).speculative
+
+    def _drafters_of(self, row: Row) -> list[Drafter]:
+        config = self._speculative(row.seq_id)
+        return [self.drafters[name] for name in config.drafters] if config else []
+
+    def _device_drafter(self, row: Row) -> str | None:
+        """The first of the row's drafters that drafts on device (the MTP head), if any."""
+        return next((d.name for d in self._drafters_of(row) if d.device_chain(row.seq_id, 0) >= 0), None)
+
+    def _loop_drafter(self, row: Row, choices: Sequence[Choice]) -> tuple[str | None, tuple[int, int] | None]:
+        """Who drafts in the row's later iterations of a call: the policy's main choice where its lookup runs on
+        device (with its n-gram sizes), else the first of the row's drafters that chains on device (the MTP head),
+        if any."""
+        if choices and self.runtime.lookup_drafts:
+            lookup = self.drafters[choices[0].drafter].device_lookup()
+            if lookup is not None:
+                return choices[0].drafter, lookup
+        return self._device_drafter(row), None
