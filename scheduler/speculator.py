@@ -16,25 +16,23 @@ import itertools
 import logging
 import time
 import traceback
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from drafters.base import Draft, DraftRequest, Drafter
-from drafters.policy import Choice, DrafterPolicy, SpeculativeConfig, drafting_pays, expected_accepted
+from drafters.policy import Choice, DrafterPolicy, SpeculativeConfig
 from jaxmodel.runtime import Calibration, RowLoop, RowResult, Runtime, StepRow
 from jaxmodel.state import NULL_PLANE
 
+from .batch_gate import BatchGate, batch_declines
 from .core import Scheduler
-from .memory import RollbackCosts, replay_plane_wrong
+from .memory import RollbackCosts
+from .step_costs import record_costs
 from .step_times import StepTimes
 from .types import Committed, Continued, DraftPlan, Row, SeqId, StepPlan
 
 log = logging.getLogger("gdnspec.engine")
 
-# The batch gate's probes (`Speculator._gate_closed`): a step drafts after this many declined steps, then twice as many,
-# up to the most.
-GATE_PROBE_MIN, GATE_PROBE_MAX = 16, 128
 
 
 @dataclass(frozen=True)
@@ -48,17 +46,6 @@ class StepResult:
     continued: Mapping[SeqId, Sequence[Continued]]
     failed: Mapping[SeqId, str]
 
-
-def tokens_per_iteration(first: int, results: Sequence[RowResult], n_iterations: int) -> float:
-    """The tokens a device call of `n_iterations` iterations verified per iteration: `first` in its first
-    iteration (the plan's rows, drafts included), and in each later one 1 + the drafts of every row that ran it
-    (`RowResult.more`). A call whose later iterations draft on device costs more per iteration than its first
-    iteration's tokens say; priced by those alone, drafting looked cheaper the more it was done.
-
-    Example: two rows, the first iteration plain (2 tokens); in the second, one row verifies 3 drafts and the
-    other none; in the third only the first row runs, without drafts: (2 + (4 + 1) + 1) / 3 = 8/3."""
-    later = sum(1 + len(it.drafts) for result in results for it in result.more)
-    return (first + later) / n_iterations
 
 
 class Speculator:
@@ -81,11 +68,11 @@ class Speculator:
         self.iterations = iterations
         self.max_call_seconds = max_call_seconds
         self._iteration_seconds: dict[int, float] = {}  # rows -> seconds per iteration of the last decoding call
-        self.step_times = StepTimes()  # the batch gate's prices (`_batch_declines`)
+        self.step_times = StepTimes()  # the batch gate's prices (`batch_gate.batch_declines`)
         self._lookup_drafter = next((d.name for d in self.drafters.values() if d.device_lookup() is not None), None)
         self._batch_declined = False  # this step's drafts did not pay for its batch: no row drafts or chains
         self._faults: dict[SeqId, str] = {}  # this step's rows whose part of it failed -> the error they end with
-        self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN  # declined steps until the batch's next probe
+        self.gate = BatchGate()
         self._backlog_slots: dict[SeqId, int] = {}  # sequence -> its slot in the MTP head's backlog
         self._free_backlog_slots = list(range(len(runtime.backlog_held)))
 
@@ -164,53 +151,12 @@ class Speculator:
             else:
                 choices = [Choice(name, config.n_max) for name in config.drafters]
             planned[seq_id] = [c for c in choices if c.n_draft > 0]
-        self._batch_declined = self.adaptive and self._gate_closed(planned, len(may_draft))
+        self._batch_declined = False
+        if self.adaptive and any(planned.values()):  # a step that plans no draft says nothing to the gate
+            self._batch_declined = self.gate.closed(batch_declines(
+                planned, len(may_draft), runtime=self.runtime, step_times=self.step_times, policy=self.policy,
+                drafters=self.drafters))  # fmt: skip
         return {} if self._batch_declined else planned
-
-    def _gate_closed(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
-        """Whether the batch gate keeps this step from drafting (`_batch_declines`). A gate that stays closed lets
-        one step draft after GATE_PROBE_MIN declined steps, then twice as many, up to GATE_PROBE_MAX (a batch probe:
-        acceptance is learnt only from drafts, and every row drafts in it, so that they share its padding); a step
-        that pays resets the wait (one that plans no draft says nothing, and leaves it)."""
-        if not any(planned.values()):
-            return False
-        if not self._batch_declines(planned, n_rows):
-            self._gate_wait, self._gate_interval = 0, GATE_PROBE_MIN
-            return False
-        if self._gate_wait > 0:
-            self._gate_wait -= 1
-            return True
-        self._gate_wait, self._gate_interval = self._gate_interval, min(2 * self._gate_interval, GATE_PROBE_MAX)
-        return False
-
-    def _batch_declines(self, planned: dict[SeqId, list[Choice]], n_rows: int) -> bool:
-        """Whether the drafts the policy chose per sequence would cost the step's batch of n_rows rows more than
-        they return. Where the engine has measured both at this batch size: whether its calls drafting with the
-        drafter most rows chose committed fewer tokens per second than its calls in which no row drafted (all of
-        it measured: the padding, rows without a draft, the chain, the rebuild). Until then an estimate
-        (`policy.drafting_pays`): the step at the longest draft's padded length against the plain step
-        (`step_times`: measured under load where both are, in calls of one iteration where a drafter drafts on
-        the host; else calibrated, then with the MTP chain's calibrated cost added), for every row's expected
-        accepted drafts at its acceptance estimate. No price yet: no decline."""
-        firsts = [(seq_id, options[0]) for seq_id, options in planned.items() if options]
-        if not firsts or self.runtime.shapes is None:
-            return False
-        B = self.runtime.shapes.batch(n_rows)
-        drafter = Counter(choice.drafter for _, choice in firsts).most_common(1)[0][0]
-        rates = self.step_times.plain_and_drafting_rates(B, drafter)
-        if rates is not None:
-            return rates[1] <= rates[0]
-        longest = max(choice.n_draft for _, choice in firsts)
-        T = self.runtime.shapes.tokens(1 + longest)
-        host = any(c.drafter in self.policy.params.host_drafters for _, c in firsts)
-        prices = self.step_times.plain_and_drafting(B, T, host)
-        if prices is None:
-            return False
-        plain, drafting, measured = prices
-        if not measured and any(self.drafters[c.drafter].device_chain(seq_id, 1) > 0 for seq_id, c in firsts):
-            drafting += self.runtime.chain_cost(n_rows) * longest
-        gain = sum(expected_accepted(self.policy.acceptance(seq_id, c.drafter), c.n_draft) for seq_id, c in firsts)
-        return not drafting_pays(n_rows, gain, plain, drafting)
 
     def rollback_costs(self) -> RollbackCosts:
         """What each rollback mode costs now, for the memory rule's choice: the rebuild's, the verify steps' and
@@ -407,72 +353,10 @@ class Speculator:
         code = frames[-1].f_code if frames else None
         return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}" if code else "the engine"
 
-    def _record_costs(self, plan: StepPlan, rows: list[StepRow], results, seconds: float) -> None:
-        """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
-        (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
-        the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
-        rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
-        reported: their cost follows the chunk, not the drafts. The time per iteration is priced by the tokens an
-        iteration verified on average, later iterations' device drafts included (`tokens_per_iteration`). Also
-        keeps the call's time per iteration for `max_call_seconds` (`_iterations`) and, by its rows and tokens per
-        row, for the batch gate (`step_times`). A call that traced is not reported: its time is mostly
-        compilation."""
-        if self.runtime.last_step_traced or not all(row.needs_logits and len(row.fed) == 1 for row in plan.rows):
-            return
-        n_iterations = 1 + max(len(r.more) for r in results)
-        self._iteration_seconds[len(rows)] = seconds / n_iterations  # the last call's, so a slow one passes
-        if self.runtime.shapes is not None:
-            tokens = self.runtime.shapes.tokens(max(len(row.tokens) for row in plan.rows))
-            B = self.runtime.shapes.batch(len(rows))
-            self.step_times.record(B, tokens, seconds / n_iterations, looped=n_iterations > 1)
-            committed = sum(len(r.committed) + sum(len(it.committed) for it in r.more) for r in results)
-            self.step_times.record_rate(B, self._call_drafter(plan, rows), committed, seconds)
-        chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
-        per_draft = self.runtime.chain_cost(len(rows))
-        chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
-        rebuild_seconds = self._rebuild_seconds(rows, results)
-        self.policy.record_target(max((seconds - rebuild_seconds) / n_iterations - chain_seconds, 0.0),
-                                  tokens_per_iteration(plan.n_tokens, results, n_iterations), n_iterations,
-                                  len(plan.rows))  # fmt: skip
-        n_chained = sum(n for _, n in chaining)
-        for row, n_chain in chaining:
-            name = self._device_drafter(row)
-            if name is not None:
-                self.policy.record_proposal(name, chain_seconds * n_chain / n_chained, n_chain)
-
-    def _call_drafter(self, plan: StepPlan, rows: list[StepRow]) -> str | None:
-        """The drafter most of a call's rows drafted with or were given to draft with: a row's own drafts' drafter,
-        else the n-gram lookup where its iterations looked up (whether or not it found a draft), else the MTP head
-        where it chained; None where no row did any of it (the rate plain decoding is measured by: a call whose
-        lookup found nothing still paid for the lookup)."""
-        names: Counter[str] = Counter()
-        for row, step_row in zip(plan.rows, rows):
-            if row.drafts:
-                name = row.drafter
-            elif step_row.loop is not None and step_row.loop.lookup is not None:
-                name = self._lookup_drafter
-            else:
-                name = self._device_drafter(row) if step_row.n_chain > 0 else None
-            if name is not None:
-                names[name] += 1
-        return names.most_common(1)[0][0] if names else None
-
-    def _rebuild_seconds(self, rows: list[StepRow], results) -> float:
-        """What a device call spent rebuilding replay rows: per iteration, a calibrated pass per rebuild_rows of
-        its wrong planes (`replay_plane_wrong`)."""
-        cost = self.runtime.rebuild_cost(len(rows))
-        if cost is None:
-            return 0.0
-        seconds, per_pass = cost
-        wrong: Counter[int] = Counter()  # iteration -> wrong planes
-        for r, result in zip(rows, results):
-            if r.replay:
-                wrong[0] += replay_plane_wrong(r.optimistic, len(r.drafts), result.n_accepted)
-            if r.loop is not None and r.loop.replay:
-                for j, later in enumerate(result.more, start=1):
-                    if later.drafts:
-                        wrong[j] += replay_plane_wrong(r.loop.optimistic, len(later.drafts), later.n_accepted)
-        return seconds * sum(-(-n // per_pass) for n in wrong.values())
+    def _record_costs(self, plan: StepPlan, rows: list[StepRow], results: list[RowResult], seconds: float) -> None:
+        record_costs(plan, rows, results, seconds, runtime=self.runtime, policy=self.policy,
+                     step_times=self.step_times, iteration_seconds=self._iteration_seconds,
+                     lookup_drafter=self._lookup_drafter, device_drafter=self._device_drafter)  # fmt: skip
 
     def _observe(self, seq_id, drafter: str | None, drafted: int, accepted: int, committed) -> None:
         if drafter is not None:

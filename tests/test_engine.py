@@ -489,7 +489,7 @@ def test_a_looping_call_is_priced_by_the_tokens_its_later_iterations_verified():
     -1) and the other none; the third runs the first row alone. The call verified 8 tokens in 3 iterations, not
     2 per iteration as its first iteration alone says."""
     from jaxmodel.runtime import Iteration, RowResult
-    from scheduler.speculator import tokens_per_iteration
+    from scheduler.step_costs import tokens_per_iteration
 
     first = RowResult(0, [5], [], more=[Iteration([6, 7, -1], 2, [6, 7, 9]), Iteration([], 0, [10])])
     second = RowResult(0, [8], [], more=[Iteration([], 0, [11])])
