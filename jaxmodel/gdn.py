@@ -75,7 +75,8 @@ def gdn_mixer(
 
     # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first; the conv state after
     # token t is the Kc-1 raw inputs ending at t. On CPU the kernel also reads and writes the planes (XLA's gather,
-    # concatenation and scatter around it made a 16-row decoding iteration 1.04-1.06x as long).
+    # concatenation and scatter around it lengthened a decoding iteration; docs/performance.md, "A 16-row
+    # iteration's serial work").
     last = n_tokens - 1  # [B]
     if _conv_kernel(qkv, cpu_matmul.TARGET_CONV_PLANES) and conv_pool.dtype == jnp.float32:
         if final_only:  # only each row's last token writes its state, to the row's last write plane

@@ -28,10 +28,9 @@ KEPT_FLOAT32 = frozenset({"conv", "router", "scales"})
 # the same non-matmul or discrete-choice arrays as above.
 NOT_TRANSPOSED = KEPT_FLOAT32 | {"embed"}
 # Weights the few-row kernel takes: at least this many inputs and bytes. Shorter rows leave it summing lanes more
-# than streaming, and small weights stay in cache, where XLA's own one-row product is faster: in the bundled model
-# (n_in 192, at most 3 MB) the kernel's first version made one stream 0.75x and 16 streams 0.84x; at the 0.8B
-# shape (n_in 1024+, 2-134 MB) the final one made a one-token step 1.17x and a 4-token one 1.41x faster
-# (`bench/cpu_kernel.py`; docs/performance.md, "Model step").
+# than streaming, and small weights stay in cache, where XLA's own one-row product is faster: the kernel slowed
+# the bundled model (short rows, small weights) and sped up the 0.8B shape's steps (`bench/cpu_kernel.py`;
+# docs/performance.md, "Model step").
 TRANSPOSE_MIN_INPUTS = 512
 TRANSPOSE_MIN_BYTES = 1 << 20
 

@@ -184,21 +184,20 @@ def share_buckets(rows: int) -> tuple[int, ...]:
 # Steps of up to this many tokens per row (decode and verify steps) may run several iterations per call.
 LOOP_MAX_TOKENS = 16
 # With `Runtime.split_chunks`, prompt chunks run in calls of at most this many rows (a batch bucket, so no new
-# shape): six chunks of about 100 tokens cost about 60 ms in one call of 16 padded rows on the bundled model.
+# shape): long chunks padded to 16 rows cost several times what they do in calls of four.
 CHUNK_CALL_ROWS = 4
-# ... where the calls pad fewer (row, token) slots than one call, counting this many for each extra call: on the
-# bundled model a call costs about 2 ms plus 0.02-0.025 ms a padded slot (16 rows x 64 tokens 26 ms, 4 x 64 8 ms,
-# 4 x 16 3.6 ms; 16 x 128 43 ms); larger models' slots cost more against the call, so the count is conservative.
+# ... where the calls pad fewer (row, token) slots than one call, counting this many for each extra call: a call's
+# fixed cost is about what a hundred padded slots cost on the bundled model; larger models' slots cost more against
+# the call, so the count is conservative (docs/performance.md, "Steps that mix prompt chunks with decoding rows").
 CALL_COST_SLOTS = 100
 # The n-gram lookup on device searches this many of a row's latest tokens (plus what the call commits); the host's
 # n-gram drafter searches the whole sequence, so only longer sequences may draft differently (never output).
 LOOKUP_HISTORY = 512
 
 # On CPU the replay rebuild goes one row per pass where a row's GDN state is at least this large: moving the
-# states through memory then dominates, so a pass costs about what its rows do (the 0.8B shape, 19.3 MB a row:
-# 44 ms for one row, 127 ms for four), and rebuilding only the wrong rows pays. Well below it a pass costs mostly
-# its fixed launch overhead, and one pass of all rows is cheaper (the bundled model, 0.08 MB a row: 0.45 ms for one
-# row, 1.24 ms for sixteen).
+# states through memory then dominates, so a pass costs about what its rows do, and rebuilding only the wrong rows
+# pays. Well below it a pass costs mostly its fixed launch overhead, and one pass of all rows is cheaper
+# (docs/design.md "Rollback", with the measurements).
 PER_ROW_REBUILD_MIN_BYTES = 4 << 20
 
 

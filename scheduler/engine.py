@@ -49,11 +49,10 @@ def available_cores() -> int:
 
 def freeze_heap() -> None:
     """Collect once, then move every object alive now out of the garbage collector's reach (`gc.freeze`): a warm-up
-    leaves about a million of them (the bundled model's 30 traced and compiled step shapes), and each full
-    collection walked them all. Under the 16-stream load one took 0.75 s, in one round of 24 to 28 of those that
-    drafted n-grams (whose host-side bookkeeping allocates enough to trigger one), which then ran at 2200-2600
-    tokens/s instead of about 11000; frozen, a full collection takes about 1 ms. Objects made later are collected
-    as before."""
+    leaves about a million of them (its traced and compiled step shapes), and each full collection walked them all,
+    stalling a round of requests for a large fraction of a second; frozen, one takes milliseconds
+    (docs/performance.md, "A full garbage collection once in a while"). Objects made later are collected as
+    before."""
     gc.collect()
     gc.freeze()
 
@@ -93,16 +92,14 @@ class _NullDetokenizer:
         return ""
 
 
-# The most iterations one device call runs while nothing needs the host. Each call costs a fixed ~1.5-2 ms at one
-# stream on CPU beyond its iterations (the first iteration, the worker-thread hand-off, the scheduler's update,
-# streaming the burst): on the bundled model, `gdnspec bench iterations` (paired rounds in one process) measured 32
-# against 8 at 1.50x (plain) and 1.75x (MTP) at one stream and 1.10x (plain) at 16 streams
-# (bench/results/iterations-cpu.json; docs/performance.md, "Iterations per device call"), and 64 against 32 at 1.14x
-# (plain and n-gram) at one stream and 1.07x at 16 streams (bench/results/iterations-cpu-64.json). A request arriving
-# meanwhile waits for the call in flight (at most `DEFAULT_MAX_CALL_SECONDS`).
+# The most iterations one device call runs while nothing needs the host. Each call costs a fixed time beyond its
+# iterations (the first iteration, the worker-thread hand-off, the scheduler's update, streaming the burst), which
+# more iterations a call spread thinner: 64 measured faster than 32 and 32 than 8, at one stream and at 16
+# (docs/performance.md, "Iterations per device call"). A request arriving meanwhile waits for the call in flight (at
+# most `DEFAULT_MAX_CALL_SECONDS`).
 DEFAULT_ITERATIONS = 64
 # ... and no more of them than fit in this long a call, by the last decoding call's time per iteration at that many
-# rows: a 16-row iteration of the bundled model takes about 3 ms on CPU, a one-row one of the 0.8B shape 60 ms.
+# rows (an iteration's time spans two orders of magnitude between a small model's many rows and a large model's one).
 DEFAULT_MAX_CALL_SECONDS = 0.1
 DEFAULT_DRAFT_VOCAB = None
 # The most drafts an n-gram lookup feeds per iteration inside a device call (`Drafter.device_lookup`); its later

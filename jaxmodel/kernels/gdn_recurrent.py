@@ -98,9 +98,9 @@ def recurrent_pallas_call(q, k, v, g, beta, ssm_pool, read_plane, write_planes, 
     )(read_plane, write_planes, q, k, v, g, beta, ssm_pool)
 
 
-# Measured on an H100 at Qwen3-Next's GDN shapes (bench/results/gpu/gdn-kernels.json, "tune"): 32 columns and one
-# warp per program read and write the state at 86-96% of a plain copy's bandwidth at batch 32 (T = 1 and 4),
-# against 38-51% with 8 columns; at batch 1 it is also the fastest (22 us at T = 4, against 30).
+# On an H100 at Qwen3-Next's GDN shapes, 32 columns and one warp per program read and write the state near a plain
+# copy's bandwidth, well above 8 columns, and are also the fastest at batch 1 (bench/results/gpu/gdn-kernels.json,
+# "tune"; docs/performance.md, "On a GPU").
 DEFAULT_BLOCK_V = 32
 
 
