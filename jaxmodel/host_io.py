@@ -2,9 +2,9 @@
 drafts, sampling settings in; accepted counts, committed tokens, next drafts out) packed into one int32 array.
 
 Every numpy argument of a jitted call is its own host-to-device transfer, and every result read back its own
-synchronisation. A speculative step has about 26 small inputs and 9 small outputs, which on CPU cost about half a
-millisecond of a 1.1 ms one-token call on the bundled model; packed, they are one of each (docs/performance.md,
-"Host round trip").
+synchronisation. A speculative step has about 26 small inputs and 9 small outputs, which on CPU cost about half of
+a small model's one-token call; packed, they are one of each (docs/performance.md, "Iterations per device call
+and the host round trip").
 
 Leaves may be int32, uint32, float32 (bit-cast, so exact) or bool (stored as 0/1).
 

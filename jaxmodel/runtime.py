@@ -126,9 +126,8 @@ class Shapes:
     """Which padded shapes a runtime compiles, kept few because each is a compile.
 
     Rows are bucketed by powers of 4 (on CPU a matmul of 2 rows costs about what 4 do), and so are tokens per
-    row, with 8 added between 4 and 16: verify steps of 4..7 drafts (5..8 tokens) would otherwise pad to 16 (the
-    0.8B-shape model on CPU at batch 1: 5 tokens 314 ms, 8 tokens 302 ms, 16 tokens 473 ms; bench/results/
-    step-cpu-verify-lengths.json). Every row has the page table of a full-length sequence, so the page count adds
+    row, with 8 added between 4 and 16: verify steps of 4..7 drafts (5..8 tokens) would otherwise pad to 16, which
+    costs half as much again as 8 on CPU (bench/results/step-cpu-verify-lengths.json). Every row has the page table of a full-length sequence, so the page count adds
     no shapes (attention's cost follows the live context, not the table's width). Logits come for every row of a
     short step (T <= 16: verification wants them all), and for long steps (prompt chunks) either for one row (a
     prefill-only step, which also takes the chunked GDN form) or for as many as a draft can need (prompt chunks
@@ -386,9 +385,10 @@ class Runtime:
         (`chunk_calls`), every row one iteration as in a joined
         call. Rows are independent (their own pages and planes), so the results are the same; the cost is not: a
         joined call pads every row to the longest row's length and the rows to their bucket (1, 4, 16, 64), and on
-        CPU the padding's elementwise work, GDN conv and state writes cost per token (the products skip it). The
-        bundled model, 15 decoding rows beside one 128-token chunk: 43 ms in one call, 10.2 + 1.9 ms in two; the
-        chunks may then also take the final-only form (`Shapes.logit_rows`)."""
+        CPU the padding's elementwise work, GDN conv and state writes cost per token (the products skip it): in two
+        calls, decoding rows beside a long chunk cost a fraction of one joined call (docs/performance.md, "Steps
+        that mix prompt chunks with decoding rows"); the chunks may then also take the final-only form
+        (`Shapes.logit_rows`)."""
         calls = chunk_calls([len(r.row.tokens) for r in rows], self.shapes) if self.split_chunks else None
         if calls is not None:
             results: list[RowResult | None] = [None] * len(rows)

@@ -14,8 +14,8 @@ The rule (`decide_drafts`), per step, over the sequences whose row may carry dra
    policy's plan, made before memory is granted: the policy's draft decision comes first.
 2. Mode: the cheapest that fits. Snapshot needs d + 1 planes to write besides the one it reads, i.e. `d + 1 - spare`
    extra planes, and costs writing d more GDN states than the other modes do (`RollbackCosts.plane_write_seconds`,
-   timed at calibration per batch bucket in planes the engine lends while idle; at the 0.8B shape a state is
-   19.3 MB, 1.25 ms a state at four rows). Replay and checkpoint need no plane beyond the two a sequence holds.
+   timed at calibration per batch bucket in planes the engine lends while idle; a state is tens of megabytes at
+   real shapes). Replay and checkpoint need no plane beyond the two a sequence holds.
    Replay costs the rebuild of the rows whose written state turns out wrong: a row writes the state after `last`
    (wrong when a draft is accepted, chance alpha) or, optimistically, after its last draft (wrong when one is
    rejected, 1 - alpha^d), whichever is likelier right (`replays_optimistically`; only without replayed tokens).
