@@ -26,8 +26,8 @@ def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array, n_tokens: jax.
 
     On CPU a step of more than one token, or of more than one row, takes the kernel (`kernels.cpu_conv`): XLA's form
     (`causal_conv_reference`) is a batched dot there, with copies around it, and sums one row of two tokens in
-    another order. At one row of one token XLA fuses it into a multiply-and-reduce, cheaper than the call (plain
-    decoding 1.05-1.08x with the kernel; at 4 and 16 rows the kernel's iterations take 0.93-0.96x, at 64 even),
+    another order. At one row of one token XLA fuses it into a multiply-and-reduce, cheaper than the call (where the
+    kernel wins at 4 and 16 rows and breaks even at 64; docs/performance.md, "A 16-row iteration's serial work"),
     that sums as the kernel does at the batch buckets the runtime compiles (1, 4, 16, 64; XLA's dot picks its order
     by shape, and at 2 rows sums otherwise): one FMA per tap from the oldest. So a token's conv is the same bits in a
     step of any length and batch (tests/test_cpu_conv.py, tests/test_step_invariance.py).

@@ -164,9 +164,9 @@ MatmulWeight = Union[jax.Array, Transposed, Q8Rows, BlockRows]
 @dataclass(frozen=True)
 class Fused:
     """Matmul weights that multiply the same input, stored as one [n_in, sum(sizes)] weight of their common form, so
-    that a step runs one product where it ran len(sizes) (`layers.project`). At the bundled model's sizes a product
-    costs mostly its launch: the GDN input projections and the FFN's gate and up as two products instead of six ran
-    in 0.65-0.83x the time. Through the CPU kernels (Q8_0 blocks, transposed float32) each output column is summed
+    that a step runs one product where it ran len(sizes) (`layers.project`). At a small model's sizes a product
+    costs mostly its launch, so two products instead of six (the GDN input projections, the FFN's gate and up) save
+    a good part of that time (docs/performance.md, "What an iteration costs"). Through the CPU kernels (Q8_0 blocks, transposed float32) each output column is summed
     as it was alone, so results are bit for bit unchanged; plain arrays go through XLA's dot, which may sum a wider
     product in another order."""
 

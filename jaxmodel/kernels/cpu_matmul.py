@@ -1,8 +1,8 @@
 """Matrix products on CPU as XLA FFI custom calls (cpu_matmul.cc), over weights stored [N, K] (GGUF's order).
 
 `rows_matmul(x [M, K], w [N, K]) -> [M, N]`, float32 weights: streams each weight row once for a tile of rows,
-so a 4-row product costs 1.2-1.5x a one-row one alone (1.8x inside the 0.8B step) instead of 2-2.5x with XLA's dot
-(docs/performance.md, "Model step"); `linear` uses it for every M when `load_model` stored a weight transposed
+so a few-row product costs little more than a one-row one, where XLA's dot costs about as many times more as it
+has rows (docs/performance.md, "Model step"); `linear` uses it for every M when `load_model` stored a weight transposed
 (`weights.Transposed`, `precision.takes_rows_kernel`).
 
 `q8_rows_matmul(x [M, K], quants [N, K], scales [N, K/32]) -> [M, N]`, Q8_0 weights as the file holds them, eight
