@@ -31,7 +31,7 @@ from jaxmodel.state import (KV_DTYPES, backlog_bytes_per_token, bytes_per_plane,
                             replay_bytes_per_token)
 
 from .core import Scheduler
-from .memory import MemoryManager, pages_for, pool_sizes
+from .memory import MemoryManager, PoolSizes, pages_for, pool_sizes
 from .speculator import Speculator
 from .step_times import StepTimes
 from .types import DoneEvent, Event, GenerationRequest, Request, StepPlan, TokensEvent
@@ -111,6 +111,33 @@ LOOKUP_DRAFTS = 3
 HEAD_BACKLOG_TOKENS = 256
 
 
+def engine_pools(model: Model, budget_bytes: int, *, max_running: int, n_max: int, page_size: int,
+                 kv_dtype: str) -> tuple[PoolSizes, int]:
+    """How an engine spends its budget (`pool_sizes`), and the tokens its MTP head's backlog holds per sequence:
+    planes for every sequence to snapshot a full draft but never more than half the budget, a replay pool of a
+    full draft for every row of a step, the backlog (HEAD_BACKLOG_TOKENS, fewer where it would take more than an
+    eighth of the budget), and KV pages with the rest."""
+    cfg = model.cfg
+    plane_bytes = bytes_per_plane(cfg)
+    planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // max(plane_bytes, 1) // max_running))
+    backlog_tokens = 0
+    if model.has_mtp and n_max > 0:
+        fitting = budget_bytes // 8 // (max_running * backlog_bytes_per_token(cfg))
+        backlog_tokens = min(HEAD_BACKLOG_TOKENS, fitting // 16 * 16)
+    sizes = pool_sizes(
+        budget_bytes,
+        page_bytes=kv_bytes_per_page(cfg, page_size, kv_dtype),
+        plane_bytes=plane_bytes,
+        page_size=page_size,
+        max_running=max_running,
+        planes_per_seq=planes_per_seq,
+        replay_tokens=n_max if cfg.gdn_layers else 0,
+        replay_token_bytes=replay_bytes_per_token(cfg),
+        backlog_bytes=max_running * backlog_tokens * backlog_bytes_per_token(cfg),
+    )
+    return sizes, backlog_tokens
+
+
 class Engine:
     """Continuous batching over one target model, its drafters and a memory budget."""
 
@@ -157,25 +184,8 @@ class Engine:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
         cfg = model.cfg
-        plane_bytes = bytes_per_plane(cfg)
-        # Planes for every sequence to snapshot a full draft, but never more than half the budget.
-        planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // max(plane_bytes, 1) // max_running))
-        replay_tokens = n_max if cfg.gdn_layers else 0  # the replay pool: a full draft for every row of a step
-        backlog_tokens = 0
-        if model.has_mtp and n_max > 0:
-            fitting = budget_bytes // 8 // (max_running * backlog_bytes_per_token(cfg))
-            backlog_tokens = min(HEAD_BACKLOG_TOKENS, fitting // 16 * 16)
-        sizes = pool_sizes(
-            budget_bytes,
-            page_bytes=kv_bytes_per_page(cfg, page_size, kv_dtype),
-            plane_bytes=plane_bytes,
-            page_size=page_size,
-            max_running=max_running,
-            planes_per_seq=planes_per_seq,
-            replay_tokens=replay_tokens,
-            replay_token_bytes=replay_bytes_per_token(cfg),
-            backlog_bytes=max_running * backlog_tokens * backlog_bytes_per_token(cfg),
-        )
+        sizes, backlog_tokens = engine_pools(model, budget_bytes, max_running=max_running, n_max=n_max,
+                                             page_size=page_size, kv_dtype=kv_dtype)  # fmt: skip
         self.model = model
         self._draft_model = draft_model
         self.tokenizer = tokenizer
