@@ -293,17 +293,11 @@ def choose_implementation(backend: str, n_tokens: int, final_only: bool, cpu_ker
     concurrency. XLA's scan (FORCE_IMPL = "scan"; tests/test_cpu_q8_matmul.py compares both with llama.cpp) costs
     several times the kernel on prompt chunks (docs/performance.md, "Prefill on CPU").
 
-    Without the kernels, CPU thresholds measured on this project's shared 2-core machine (B=1, final_only, median
-    of 15, noisy):
-      Hk=8, Hv=16, Dk=Dv=128   T=16: scan 1.8 ms, chunked (C=32) 1.6 ms; T=32: 3.4 / 1.8; T=64: 5.9 / 4.0;
-                               T=128: 19 / 6.1; T=512: 42 / 26
-      Hk=2, Hv=4, Dk=Dv=16     T=16: 0.12 / 0.14; T=64: 0.18 / 0.37; T=256: 0.58 / 0.66; T=1024: 2.0 / 2.8
-    At real head sizes the chunked form wins from a few dozen tokens; at the tiny test shapes the scan stays
-    ahead by fractions of a millisecond. So CPU prefill chunks of 64 tokens or more take the chunked form.
-    On an H100 (bench/results/gpu/gdn-kernels.json) XLA's chunked form beats the Pallas chunked kernel by 20-40x
-    on prefill (T=1024, B=1: 1.1 ms against 22 ms), so GPU prefill takes it too. Against the Pallas recurrent
-    kernel (final_only, ms, B=1 / B=8): T=64 0.24 vs 0.28 / 0.50 vs 0.38; T=256 0.41 vs 0.45 / 1.33 vs 1.18;
-    T=512 0.69 vs 0.91 / 2.17 vs 2.04. So GPU steps of 256 tokens or more take the chunked form.
+    Without the kernels, on CPU the chunked form wins from a few dozen tokens at real head sizes (the scan stays
+    ahead by fractions of a millisecond at the tiny test shapes), so CPU prefill chunks of 64 tokens or more take
+    it. On an H100 XLA's chunked form beats the Pallas chunked kernel many times over on prefill, and the Pallas
+    recurrent kernel from 256 tokens, so GPU steps of 256 tokens or more take it (docs/performance.md, "The gated
+    delta rule's forms by step length", with the measurements).
     """
     if backend == "gpu":
         return "chunked" if final_only and n_tokens >= GPU_CHUNKED_MIN_TOKENS else "pallas_recurrent"

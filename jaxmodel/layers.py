@@ -119,23 +119,19 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     w stored transposed (`Transposed`, [n_out, n_in], what `load_model` does on CPU when the kernel builds): the
     rows kernel (`jaxmodel.kernels.cpu_matmul.rows_matmul`) for every M, which reads each weight row once for a
     tile of rows and sums every row in the same order whatever M, so a token's product is the same in a prompt
-    chunk as in a one-token step. (XLA's dot on [n_out, n_in] is faster on a full 128-row chunk, 134 against 149 ms
-    for a chain of 24 products of 1024 x 3584 on two cores, but computes the padding too: with 66 live rows of 128,
-    as a 66-token prompt's step, 135 against 90 ms.)
+    chunk as in a one-token step. (XLA's dot on [n_out, n_in] is a little faster on a full 128-row chunk but
+    computes the padding too, so it loses on a partly filled chunk; docs/performance.md, "Padding costs nothing".)
 
     w as an array: the formulation is fixed at trace time from M and w (`small_row_form`); all compute the same f32
     product, only the summation order differs. On CPU, for float32 w:
       M <= 1 or M > 32: the plain dot;
       M = 2 (M <= 4 when n_out >= 16384, the LM head): M separate one-row products, each at the one-row rate;
       otherwise (M = 3..32): the dot on x^T (`eigen_dot`), which XLA runs with Eigen instead of YNNPACK.
-    Measured with `python -m bench.matmul_cpu --summarize bench/results/matmul-cpu.json` (2-core AVX2 EPYC,
-    weights streamed from DRAM, summed over one 0.8B step's matmuls, against the plain dot): one-row products
-    1.3x at M = 2 (1.05x in one run); x^T dot 1.3-1.55x at M = 3, 1.3-1.6x at M = 4, 1.35-1.6x at M = 8 and 16,
-    1.4x at M = 24 and 32, about even at M = 64, 2x slower at M = 256. The LM head at M = 3 / 4 (run 2): one-row
-    products 18 / 24 ms, x^T dot 27 / 28, dot 30 / 32. Cache-resident weights (the bundled model's) gain more in
-    the step than the chained benchmark shows: a YNNPACK product of 2-16 rows there costs 0.1-0.14 ms against
-    0.02-0.05 ms for Eigen's (warm steps under `jax.profiler`; `bench/results/small-weights-cpu.json`), so they
-    take the same rule. f16/bf16 weights and other backends take the plain dot (no gain measured, or not measured).
+    The rule follows `python -m bench.matmul_cpu --summarize bench/results/matmul-cpu.json`: against the plain dot,
+    over one 0.8B step's products, the one-row products gain at M = 2 and the dot on x^T at 3-32, about even at 64
+    and twice as slow at 256 (docs/performance.md, "Model step"). Cache-resident weights (the bundled model's) gain
+    more in the step than that chained benchmark shows (Eigen's few-row products cost a fraction of YNNPACK's there;
+    `bench/results/small-weights-cpu.json`), so they take the same rule. f16/bf16 weights and other backends take the plain dot (no gain measured, or not measured).
     """
     lead = x.shape[:-1]
     m = math.prod(lead)
