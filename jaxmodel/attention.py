@@ -98,9 +98,10 @@ def choose_implementation(backend: str, n_tokens: int, n_pages: int, cpu_kernel:
     token's attention is the same bits whether its step feeds 1, 4 or 128 tokens (a decoding row batched with a
     prompt chunk included), and a 32-token batch of the bundled model scores as llama.cpp's does
     (tests/test_cpu_q8_matmul.py). It is also faster than XLA's per-query products on prompt chunks
-    (docs/performance.md, "Prefill on CPU", which measures it on a 128-token step of the 0.8B shape). Otherwise decode and verify steps take a kernel, and
-    a table of at most one block has nothing to skip: it takes the reference form, which (unlike a loop with a
-    dynamic bound) can also be differentiated, as training does over whole sequences.
+    (docs/performance.md, "Prefill on CPU", which measures it on a 128-token step of the 0.8B shape). Otherwise
+    decode and verify steps take a kernel, and a table of at most one block has nothing to skip: it takes the
+    reference form, which (unlike a loop with a dynamic bound) can also be differentiated, as training does over
+    whole sequences.
     """
     if backend == "cpu" and cpu_kernel and kernel_score_bytes <= CPU_KERNEL_MAX_SCORE_BYTES:
         return "cpu"

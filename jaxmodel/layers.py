@@ -131,7 +131,8 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     over one 0.8B step's products, the one-row products gain at M = 2 and the dot on x^T at 3-32, about even at 64
     and twice as slow at 256 (docs/performance.md, "Model step"). Cache-resident weights (the bundled model's) gain
     more in the step than that chained benchmark shows (Eigen's few-row products cost a fraction of YNNPACK's there;
-    `bench/results/small-weights-cpu.json`), so they take the same rule. f16/bf16 weights and other backends take the plain dot (no gain measured, or not measured).
+    `bench/results/small-weights-cpu.json`), so they take the same rule. f16/bf16 weights and other backends take
+    the plain dot (no gain measured, or not measured).
     """
     lead = x.shape[:-1]
     m = math.prod(lead)

@@ -125,13 +125,13 @@ class Calibration:
 class Shapes:
     """Which padded shapes a runtime compiles, kept few because each is a compile.
 
-    Rows are bucketed by powers of 4 (on CPU a matmul of 2 rows costs about what 4 do), and so are tokens per
-    row, with 8 added between 4 and 16: verify steps of 4..7 drafts (5..8 tokens) would otherwise pad to 16, which
-    costs half as much again as 8 on CPU (bench/results/step-cpu-verify-lengths.json). Every row has the page table of a full-length sequence, so the page count adds
-    no shapes (attention's cost follows the live context, not the table's width). Logits come for every row of a
-    short step (T <= 16: verification wants them all), and for long steps (prompt chunks) either for one row (a
-    prefill-only step, which also takes the chunked GDN form) or for as many as a draft can need (prompt chunks
-    batched with decoding sequences).
+    Rows are bucketed by powers of 4 (on CPU a matmul of 2 rows costs about what 4 do), and so are tokens per row, with
+    8 added between 4 and 16: verify steps of 4..7 drafts (5..8 tokens) would otherwise pad to 16, which costs half as
+    much again as 8 on CPU (bench/results/step-cpu-verify-lengths.json). Every row has the page table of a full-length
+    sequence, so the page count adds no shapes (attention's cost follows the live context, not the table's width).
+    Logits come for every row of a short step (T <= 16: verification wants them all), and for long steps (prompt chunks)
+    either for one row (a prefill-only step, which also takes the chunked GDN form) or for as many as a draft can need
+    (prompt chunks batched with decoding sequences).
     """
 
     max_rows: int  # sequences per step

@@ -166,9 +166,9 @@ class Fused:
     """Matmul weights that multiply the same input, stored as one [n_in, sum(sizes)] weight of their common form, so
     that a step runs one product where it ran len(sizes) (`layers.project`). At a small model's sizes a product
     costs mostly its launch, so two products instead of six (the GDN input projections, the FFN's gate and up) save
-    a good part of that time (docs/performance.md, "What an iteration costs"). Through the CPU kernels (Q8_0 blocks, transposed float32) each output column is summed
-    as it was alone, so results are bit for bit unchanged; plain arrays go through XLA's dot, which may sum a wider
-    product in another order."""
+    a good part of that time (docs/performance.md, "What an iteration costs"). Through the CPU kernels (Q8_0
+    blocks, transposed float32) each output column is summed as it was alone, so results are bit for bit unchanged;
+    plain arrays go through XLA's dot, which may sum a wider product in another order."""
 
     w: MatmulWeight  # [n_in, sum(sizes)]
     sizes: tuple[int, ...]  # n_out of each part, in order

@@ -248,7 +248,7 @@ class Engine:
             log.error("sequence %s failed in the detokenizer", seq_id, exc_info=(type(exc), exc, exc.__traceback__))
         for event in events:
             if isinstance(event, DoneEvent):
-                self._release(event.seq_id)
+                self.speculator.release(event.seq_id)
         self.steps += 1
         return events
 
@@ -280,9 +280,6 @@ class Engine:
             self.memory.give_planes(spare)
         freeze_heap()
 
-    def _release(self, seq_id) -> None:
-        self.speculator.release(seq_id)
-
     # ------------------------------------------------------------------------------------------------ faults
 
     def guarded_step(self, quiet: bool = True) -> list[Event]:
@@ -309,7 +306,7 @@ class Engine:
             events += [DoneEvent(row.seq_id, "error", 0, 0, error=message) for row in plan.rows
                        if row.seq_id not in ended and row.seq_id not in self.scheduler]  # fmt: skip
         for event in events:
-            self._release(event.seq_id)
+            self.speculator.release(event.seq_id)
         return events
 
     # ------------------------------------------------------------------------------------------------ async edge
@@ -388,7 +385,7 @@ class Engine:
                 if stream is not None:
                     stream.send_nowait(event)
                     stream.close()
-            self._release(payload)
+            self.speculator.release(payload)
 
     async def generate(
         self, request: GenerationRequest, timing: RequestTiming | None = None

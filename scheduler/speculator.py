@@ -34,7 +34,6 @@ from .types import Committed, Continued, DraftPlan, Row, SeqId, StepPlan
 log = logging.getLogger("gdnspec.engine")
 
 
-
 @dataclass(frozen=True)
 class StepResult:
     """What a step's device call gave the scheduler to commit (`Scheduler.update`): the plan with the drafts its
@@ -45,7 +44,6 @@ class StepResult:
     committed: Mapping[SeqId, Committed]
     continued: Mapping[SeqId, Sequence[Continued]]
     failed: Mapping[SeqId, str]
-
 
 
 class Speculator:
@@ -217,10 +215,9 @@ class Speculator:
             proposals = self.drafters[name].propose(requests)
             if len(proposals) != len(requests):
                 raise ValueError(f"{len(proposals)} proposals for {len(requests)} requests")
-            n_vocab = self.n_vocab
             for proposal in proposals:
-                if not all(0 <= token < n_vocab for token in proposal.tokens):
-                    raise ValueError(f"a draft token outside the vocabulary of {n_vocab}: {proposal.tokens[:8]}")
+                if not all(0 <= token < self.n_vocab for token in proposal.tokens):
+                    raise ValueError(f"a draft token outside the vocabulary of {self.n_vocab}: {proposal.tokens[:8]}")
             return proposals
         except Exception as exc:
             if len(requests) == 1:
@@ -338,18 +335,15 @@ class Speculator:
             self._faults[seq_id] = f"internal error in {culprit} ({type(exc).__name__})"
 
     def culprit(self, exc: Exception) -> str:
-        """What raised `exc` in a step, in words: a drafter by name, the model step, the detokenizer, or the
-        innermost function."""
+        """What raised `exc` in a step, in words: a drafter by name, the model step, or the innermost function. (A
+        detokenizer's exception never gets here: `Scheduler.update` ends its sequence and names it.)"""
         frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
-        for outer, inner in zip(frames, frames[1:]):
-            owner = inner.f_locals.get("self")
+        for frame in frames:
+            owner = frame.f_locals.get("self")
             if owner is self.runtime:
                 return "the model step"
             if any(owner is drafter for drafter in self.drafters.values()):
                 return f"drafter {owner.name!r}"
-            seq = outer.f_locals.get("seq")
-            if outer.f_code.co_name == "_append" and owner is getattr(seq, "detokenizer", None):
-                return "the detokenizer"
         code = frames[-1].f_code if frames else None
         return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}" if code else "the engine"
 

@@ -1,4 +1,4 @@
-"""What the batch gate (`Speculator._batch_declines`) knows of drafting at a batch size: the tokens per second the
+"""What the batch gate (`batch_gate.batch_declines`) knows of drafting at a batch size: the tokens per second the
 engine's own calls committed, drafting (by drafter) and not, and, until both are measured, what a target step costs
 by its shape (seconds per iteration by rows and tokens per row), calibrated before serving and then learnt.
 
