@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
+import tracemalloc
 from pathlib import Path
 
 import jax
@@ -71,6 +73,24 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     return DATA / "tiny-qwen35-mtp.gguf"
+
+
+class Allocation:
+    """What `allocation_peak` measured: the most bytes Python held at once in its block."""
+
+    peak: int = 0
+
+
+@contextlib.contextmanager
+def allocation_peak():
+    """Trace Python's allocations over the block, however it ends; the yielded `Allocation` holds the peak after."""
+    allocation = Allocation()
+    tracemalloc.start()
+    try:
+        yield allocation
+    finally:
+        allocation.peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
 
 
 def plain_greedy(model, prompt_ids, n: int, stop_ids=frozenset()) -> list[int]:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import re
 import struct
-import tracemalloc
 
 import numpy as np
 import pytest
-from conftest import DATA
+from conftest import DATA, allocation_peak
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from jaxmodel import ModelFormatError, gguf_layout, load_model
@@ -136,14 +135,9 @@ def test_declared_lengths_over_the_limits_are_refused_before_any_allocation(tmp_
     """Lengths and counts over a limit name it, whether or not the file is long enough to hold them."""
     path = tmp_path / f"{name}.gguf"
     path.write_bytes(data)
-    tracemalloc.start()
-    try:
-        with pytest.raises(ModelFormatError, match=re.escape(str(path)) + ": " + message):
-            read_gguf(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 1 << 20, peak
+    with allocation_peak() as allocated, pytest.raises(ModelFormatError, match=re.escape(str(path)) + ": " + message):
+        read_gguf(path)
+    assert allocated.peak < 1 << 20, allocated.peak
     with pytest.raises(ModelFormatError, match=message):
         load_tokenizer(path)
 
@@ -156,15 +150,11 @@ def test_a_well_formed_two_million_token_vocabulary_is_refused_before_the_reader
     entries["length"], entries["text"] = 1, b"x"
     path = tmp_path / "vocabulary.gguf"
     path.write_bytes(header(ARCH, kv(b"tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, n) + entries.tobytes())))
-    tracemalloc.start()
-    try:
-        with pytest.raises(ModelFormatError, match=r"metadata 'tokenizer\.ggml\.tokens' has 2000000 entries, "
-                                                   r"more than the 1048576 this server reads"):
-            load_tokenizer(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 1 << 20, peak
+    with allocation_peak() as allocated, pytest.raises(
+            ModelFormatError, match=r"metadata 'tokenizer\.ggml\.tokens' has 2000000 entries, more than the 1048576 "
+                                    r"this server reads"):  # fmt: skip
+        load_tokenizer(path)
+    assert allocated.peak < 1 << 20, allocated.peak
 
 
 def test_a_reader_opened_elsewhere_is_checked_before_its_fields_are_used(tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import re
 import struct
-import tracemalloc
 from datetime import timedelta
 
 import jax
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from conftest import DATA, fixture
+from conftest import DATA, allocation_peak, fixture
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
 
@@ -343,14 +342,9 @@ def kv(key: bytes, kind: int, payload: bytes) -> bytes:
 def test_hostile_headers_are_refused_before_allocating(tmp_path, name, data, message):
     path = tmp_path / f"{name}.gguf"
     path.write_bytes(data)
-    tracemalloc.start()
-    try:
-        with pytest.raises(ModelFormatError, match=re.escape(str(path)) + ": .*" + message):
-            read_gguf(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 1 << 20, peak
+    with allocation_peak() as allocated, pytest.raises(ModelFormatError, match=re.escape(str(path)) + ": .*" + message):
+        read_gguf(path)
+    assert allocated.peak < 1 << 20, allocated.peak
     with pytest.raises(ModelFormatError):
         load_tokenizer(path)
 
@@ -403,15 +397,11 @@ def test_mutated_files_load_or_raise_model_format_error(tmp_path_factory, mutati
         mutated[offset:offset + len(patch)] = patch[: len(mutated) - offset]
     path = tmp_path_factory.mktemp("fuzz") / "mutated.gguf"
     path.write_bytes(bytes(mutated[:cut]))
-    tracemalloc.start()
-    try:
+    with allocation_peak() as allocated:
         try:
             cfg, weights, _ = read_gguf(path)
             assert weights.embed.shape == (cfg.n_vocab, cfg.n_embd)
             load_tokenizer(path)
         except ModelFormatError:
             pass
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 << 20, peak
+    assert allocated.peak < 64 << 20, allocated.peak
