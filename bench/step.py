@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 
-from jaxmodel import load_model
+from jaxmodel import gdn, load_model
 from jaxmodel.host_memory import retain_freed_memory
 from jaxmodel.precision import default_weight_dtype
 from jaxmodel.state import KV_DTYPES, Row, bucket, pack_batch
@@ -73,13 +73,20 @@ def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: s
         text = model.step.lower(model.weights, batch=fixed, state=state).compile().as_text()
         with open(hlo_path, "w") as f:
             f.write(text)
-        kinds = {kind: text.count(f" {kind}(") for kind in ("fusion", "custom-call", "while", "conditional")}
-        print(f"compiled step B={n_seqs} T={T}: {kinds} (HLO in {hlo_path})", flush=True)
+        print(f"compiled step B={n_seqs} T={T}: {compiled_kinds(text)} (HLO in {hlo_path})", flush=True)
     start = time.perf_counter()
     for _ in range(steps):
         out, state = model.step(model.weights, batch=fixed, state=state)
     jax.block_until_ready(out.logits)
     return host, (time.perf_counter() - start) / steps, faults
+
+
+def compiled_kinds(hlo_text: str) -> dict[str, int]:
+    """How many of each launching instruction a compiled step's HLO holds: on a GPU each fusion and custom call (a
+    library product, a Pallas kernel) is a kernel launch, and a while loop or conditional reads its predicate on the
+    host each trip unless it runs in a command buffer."""
+    kinds = ("fusion", "custom-call", "while", "conditional", "copy", "dynamic-update-slice", "all-reduce")
+    return {kind: hlo_text.count(f" {kind}(") for kind in kinds}
 
 
 def main(argv=None) -> dict:
@@ -120,12 +127,17 @@ def main(argv=None) -> dict:
         "retain_freed_memory": retain_freed_memory(),
         "copy_gb_per_s": copy_bytes_per_s / 1e9,
         "roofline_ms": roofline_ms,
+        "gdn_fused": gdn.fused_decode(1),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "decode": [],
         "verify": [],
     }
     for b in map(int, args.batches.split(",")):
         sec, device, faults = time_steps(model, b, 1, args.context, args.steps, args.hlo if b == 1 else None,
                                          kv_dtype=args.kv_dtype)  # fmt: skip
+        if b == 1 and args.hlo:
+            with open(args.hlo) as f:
+                results["compiled_decode_step"] = compiled_kinds(f.read())
         results["decode"].append({"batch": b, "step_ms": sec * 1e3, "device_step_ms": device * 1e3,
                                   "page_faults_per_step": faults,
                                   "tokens_per_s": b / sec, "over_roofline": sec * 1e3 / roofline_ms,

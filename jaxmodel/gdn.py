@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -10,9 +12,27 @@ from .config import ModelConfig
 from .delta_rule import gated_delta_rule, rebuild_states
 from .kernels import cpu_matmul
 from .kernels.cpu_conv import causal_conv_cpu, causal_conv_planes_cpu, causal_conv_reference
+from .kernels.gdn_decode import gdn_decode
 from .layers import Prologued, l2_norm, linear, project
 from .state import read_planes, scatter_planes
 from .weights import GatedDeltaNet
+
+
+# Steps of at most this many tokens (decode and verify) take the fused kernel on GPU (`fused_decode`).
+FUSED_MAX_TOKENS = 16
+# Tests and benchmarks set this to force the fused kernel on (interpreted off GPU) or off; read when a step is traced.
+FORCE_FUSED: bool | None = None
+
+
+def fused_decode(n_tokens: int) -> bool:
+    """Whether a step of n_tokens per row runs its GDN layers' work between the projections as one kernel
+    (`kernels.gdn_decode`): on GPU for decode and verify steps, unless GDNSPEC_GDN_FUSED=0. On a GPU XLA's form is a
+    dozen launches per layer, and a decode step is bound by launches (docs/performance.md, "On a GPU"); on CPU the
+    CPU kernels take these steps."""
+    if FORCE_FUSED is not None:
+        return FORCE_FUSED
+    enabled = os.environ.get("GDNSPEC_GDN_FUSED", "1") != "0"
+    return enabled and jax.default_backend() == "gpu" and n_tokens <= FUSED_MAX_TOKENS
 
 
 def causal_conv(prev: jax.Array, x: jax.Array, w_conv: jax.Array, n_tokens: jax.Array) -> jax.Array:
@@ -64,25 +84,34 @@ def gdn_mixer(
     B, T, _ = x.shape
     Hk, Hv, Dk, Kc = cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.conv_kernel
     # [B, T, C], [B, T, Hv Dk], [B, T, Hv] x2
-    qkv, z, beta, alpha = project(x, (w.qkv, w.gate, w.beta, w.alpha), live=valid)
-    beta = jnp.where(valid[..., None], jax.nn.sigmoid(beta), 0.0)  # [B, T, Hv]
+    qkv, z, beta_raw, alpha = project(x, (w.qkv, w.gate, w.beta, w.alpha), live=valid)
+    beta = jnp.where(valid[..., None], jax.nn.sigmoid(beta_raw), 0.0)  # [B, T, Hv]
     g = jnp.where(valid[..., None], jax.nn.softplus(alpha + w.dt_bias) * w.a, 0.0)
     if replay_pool is not None and record_slot is not None:
         n = replay_pool.shape[1]
         index = jnp.minimum(record_from[:, None] + jnp.arange(n)[None, :], T - 1)  # [B, n]; past the row: unused
         records = jnp.take_along_axis(jnp.concatenate([qkv, g, beta], axis=-1), index[..., None], axis=1)
         replay_pool = scatter_planes(replay_pool, record_slot, records)
+    last = n_tokens - 1  # [B]
+    # final_only: only each row's last token writes its states, to the row's last write plane.
+    final_writes = lambda: jnp.where(jnp.arange(T)[None, :] == last[:, None], jnp.max(write_planes, axis=1)[:, None],
+                                     -1)
+
+    if fused_decode(T):
+        o, conv_pool, ssm_pool = gdn_decode(
+            qkv, z, beta_raw, alpha, w.conv, w.dt_bias, w.a, w.norm, conv_pool, ssm_pool, read_plane,
+            final_writes() if final_only else write_planes, n_tokens, n_key_heads=Hk, eps=cfg.norm_eps,
+            interpret=jax.default_backend() != "gpu")
+        if w.out_heads is not None:  # out's inputs in the file's head order
+            o = o.reshape(B, T, Hv, Dk)[:, :, jnp.asarray(w.out_heads)].reshape(B, T, Hv * Dk)
+        return linear(o, w.out, live=valid), conv_pool, ssm_pool, replay_pool
 
     # Causal depthwise conv over [previous Kc-1 raw inputs | this step's inputs], oldest first; the conv state after
     # token t is the Kc-1 raw inputs ending at t. On CPU the kernel also reads and writes the planes (XLA's gather,
     # concatenation and scatter around it lengthened a decoding iteration; docs/performance.md, "A 16-row
     # iteration's serial work").
-    last = n_tokens - 1  # [B]
     if _conv_kernel(qkv, cpu_matmul.TARGET_CONV_PLANES) and conv_pool.dtype == jnp.float32:
-        if final_only:  # only each row's last token writes its state, to the row's last write plane
-            writes = jnp.where(jnp.arange(T)[None, :] == last[:, None], jnp.max(write_planes, axis=1)[:, None], -1)
-        else:
-            writes = write_planes
+        writes = final_writes() if final_only else write_planes
         conv, conv_pool = causal_conv_planes_cpu(conv_pool, qkv, w.conv, n_tokens, read_plane, writes)
     else:
         prev = read_planes(conv_pool, read_plane)  # [B, C, Kc-1]
