@@ -46,7 +46,7 @@ gpu-check:
 	$(GPU_PYTHON) -m bench.speculation --streams 1,32 --out $(GPU_OUT)/speculation.json
 
 # The few GPU measurements needed next, within a time budget (bench/gpu_quick.sh): GPU_BUDGET seconds in all.
-GPU_BUDGET ?= 540
+GPU_BUDGET ?= 570
 gpu-quick:
 	GPU_PYTHON=$(GPU_PYTHON) bench/gpu_quick.sh $(GPU_OUT) $(GPU_BUDGET)
 

@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-bench/results/gpu}
 BUDGET=${2:-540}
 PY=${GPU_PYTHON:-python3}
-mkdir -p "$OUT"
+mkdir -p "$OUT" bench/out
 LOG="$OUT/gpu-quick.log"
 : >"$LOG"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/gdnspec-jax-cache}
@@ -56,25 +56,44 @@ assert jax.default_backend() == 'gpu' or os.environ.get('GDNSPEC_GPU_QUICK_ANY_B
     say "no GPU backend: stopping"
     exit 1
 fi
-# Whether Runtime.compile's side-by-side compilations serve the calls under this JAX (every warm-up relies on it).
-step compiled-side-by-side 120 "$PY" -m pytest -q -x tests/test_model_drafters.py -k compiled_side
-# What an iteration costs by kind (plain, the head's catch-up, lookup, mtp) on one row: XLA's GPU while loop reads
-# its condition on the host each trip, and an MTP iteration runs several loops.
-step iteration-cost 150 "$PY" -m bench.iteration_cost --rounds 5 --out "$OUT/iteration-cost.json"
-# The same with loops and conditionals in CUDA graphs, their conditions evaluated on the device.
-step iteration-cost-command-buffers 150 env \
+# The kernels compiled for the GPU, not interpreted: first the fused GDN decode kernel, which every later step takes
+# on a GPU; where it fails there, the later steps run XLA's form instead (GDNSPEC_GDN_FUSED=0).
+step fused-kernel 120 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_gdn_decode.py || {
+    say "== the fused GDN kernel failed: the later steps run without it"
+    export GDNSPEC_GDN_FUSED=0
+}
+# The 0.8B shape with random bf16 weights (what the GPU runs anyway): decode and verify steps against the roofline,
+# and the compiled decode step's kernels (fusions, custom calls, loops) with and without the fused GDN kernel.
+MODEL_08B=bench/out/qwen35-0.8b-bf16.gguf
+step model-0.8b 60 "$PY" -m api.cli make-random --preset qwen35-0.8b --dtype bf16 "$MODEL_08B"
+step step-0.8b 180 "$PY" -m bench.step --model "$MODEL_08B" --batches 1,16 --verify-t 1,4 --rounds 2 --profile \
+    --hlo "$OUT/step-0.8b.hlo" --out "$OUT/step-0.8b.json"
+# One-row products as pairs of rows (`layers.paired_row_dot`), which XLA keeps as matrix products, against step-0.8b.
+step step-0.8b-paired-rows 90 env GDNSPEC_GPU_PAIR_ROWS=1 "$PY" -m bench.step --model "$MODEL_08B" --batches 1 \
+    --verify-t 1 --profile --out "$OUT/step-0.8b-paired-rows.json"
+# The speculation table on the bundled model from a cold compilation cache (its warm-up is the cold start), then a
+# second process on the same shapes from the warm cache: its warm-up and wall time bound the time to a first token.
+step speculation 360 "$PY" -m bench.speculation --streams 1,16 --max-seqs 16 --drafters "plain;mtp;ngram;mtp,ngram" \
+    --repeats 2 --out "$OUT/speculation.json"
+step warm-start 90 "$PY" -m bench.speculation --streams 1 --max-seqs 16 --drafters plain --repeats 1 \
+    --out "$OUT/speculation-warm-start.json"
+# The same steps with XLA's form of the GDN layers, for the kernel count and times before the fused kernel.
+step step-0.8b-xla-gdn 150 env GDNSPEC_GDN_FUSED=0 "$PY" -m bench.step --model "$MODEL_08B" --batches 1,16 \
+    --verify-t 1,4 --rounds 2 --profile --hlo "$OUT/step-0.8b-xla-gdn.hlo" --out "$OUT/step-0.8b-xla-gdn.json"
+# The decode step with loops and conditionals in CUDA graphs (XLA's command buffers), against step-0.8b.
+step step-0.8b-command-buffers 90 env \
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
-    "$PY" -m bench.iteration_cost --rounds 5 --out "$OUT/iteration-cost-command-buffers.json"
+    "$PY" -m bench.step --model "$MODEL_08B" --batches 1 --verify-t 1 --out "$OUT/step-0.8b-command-buffers.json"
+# The other kernels' tests, compiled.
+step kernels 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
 # Block-quantized weights on the GPU (a llama-quantize Q4_K_M of the bundled target, carried in tests/data): the
-# file's bytes dequantized inside each step, against bf16 copies made at load.
-step step-q4_k_m 120 "$PY" -m bench.step --model tests/data/bundled-target-q4_k_m.gguf --batches 1,32 \
-    --verify-t 1,4 --rounds 3 --out "$OUT/step-bundled-q4_k_m.json"
-step step-q4_k_m-bf16 120 "$PY" -m bench.step --model tests/data/bundled-target-q4_k_m.gguf --batches 1,32 \
-    --verify-t 1,4 --rounds 3 --dequantize-at-load --out "$OUT/step-bundled-q4_k_m-bf16.json"
-# End to end: does speculation pay at one stream (one batch size to compile), then `mtp,ngram` at 16 streams, whose
-# last GPU run predates a fix (docs/performance.md, "On a GPU").
-step speculation-1 300 "$PY" -m bench.speculation --streams 1 --drafters "plain;mtp;ngram;mtp,ngram" --repeats 1 \
-    --out "$OUT/speculation-quick-1.json"
-step speculation-16 300 "$PY" -m bench.speculation --streams 16 --drafters "plain;mtp,ngram" --repeats 1 \
-    --out "$OUT/speculation-quick-16.json"
+# file's bytes dequantized inside each step.
+step step-q4_k_m 90 "$PY" -m bench.step --model tests/data/bundled-target-q4_k_m.gguf --batches 1,16 \
+    --verify-t 1,4 --out "$OUT/step-bundled-q4_k_m.json"
+# What an iteration of a looping call costs by kind (plain, the head's catch-up, lookup, mtp), with XLA's defaults and
+# with loops and conditionals in CUDA graphs, their conditions evaluated on the device.
+step iteration-cost 120 "$PY" -m bench.iteration_cost --rounds 3 --out "$OUT/iteration-cost.json"
+step iteration-cost-command-buffers 120 env \
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
+    "$PY" -m bench.iteration_cost --rounds 3 --out "$OUT/iteration-cost-command-buffers.json"
 say "== done after $(($(date +%s) - start)) s"

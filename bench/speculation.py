@@ -33,6 +33,7 @@ The matrix that says whether asking for drafters ever costs a user (every cell s
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import platform
 import statistics
@@ -100,6 +101,10 @@ async def _run(engine: Engine | Replicas, requests: list[GenerationRequest], str
             "rollback_steps": steps}
 
 
+# JAX's events for its persistent compilation cache (hits, misses, requests); the warm-up counts them.
+CACHE_EVENTS = "/jax/compilation_cache/"
+
+
 def run(args) -> dict:
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
@@ -132,8 +137,13 @@ def run(args) -> dict:
         engine = (Replicas.build(model, args.replicas, **engine_args) if args.replicas > 1
                   else Engine(model, **engine_args))
         start = time.perf_counter()
+        cache_events = collections.Counter()
+        jax.monitoring.register_event_listener(
+            lambda event, **_: cache_events.update([event.removeprefix(CACHE_EVENTS)])
+            if event.startswith(CACHE_EVENTS) else None)
         shapes = engine.warmup()
-        out["warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - start}
+        out["warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - start,
+                         "compilation_cache": dict(cache_events)}
         async with engine:
             for n_streams in streams:
                 plain_tokens = None

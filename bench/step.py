@@ -24,6 +24,7 @@ from jaxmodel.host_memory import retain_freed_memory
 from jaxmodel.precision import default_weight_dtype
 from jaxmodel.state import KV_DTYPES, Row, bucket, pack_batch
 from bench import copy_bandwidth, save_json
+from bench.trace import traced_calls
 
 
 def _prefilled(model, n_seqs: int, context: int, page_size: int = 16, room: int = 64, kv_dtype: str = "float32"):
@@ -41,12 +42,9 @@ def _prefilled(model, n_seqs: int, context: int, page_size: int = 16, room: int 
     return state, pages
 
 
-def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: str | None = None,
-               kv_dtype: str = "float32") -> tuple[float, float, float]:
-    """Seconds per step of n_seqs rows feeding T tokens each (snapshot planes, ping-pong): the host's view
-    (packing each batch on the host and reading the logits back every step) and the device's (the same packed
-    batch dispatched `steps` times, read back once); and the process's minor page faults per step in the
-    host's view. hlo_path: write the compiled step's HLO there."""
+def _steps(model, n_seqs: int, T: int, context: int, kv_dtype: str):
+    """A prefilled state and batch(i): step i's rows, n_seqs of T random tokens each, reading and writing snapshot
+    planes in turn (ping-pong)."""
     state, pages = _prefilled(model, n_seqs, context, room=max(64, T), kv_dtype=kv_dtype)
     rng = np.random.default_rng(1)
 
@@ -59,6 +57,16 @@ def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: s
                             [-1] * (T - 1) + [write], range(T)))  # fmt: skip
         return pack_batch(rows)
 
+    return state, batch
+
+
+def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: str | None = None,
+               kv_dtype: str = "float32") -> tuple[float, float, float]:
+    """Seconds per step of n_seqs rows feeding T tokens each (snapshot planes, ping-pong): the host's view
+    (packing each batch on the host and reading the logits back every step) and the device's (the same packed
+    batch dispatched `steps` times, read back once); and the process's minor page faults per step in the
+    host's view. hlo_path: write the compiled step's HLO there."""
+    state, batch = _steps(model, n_seqs, T, context, kv_dtype)
     out, state = model.step(model.weights, batch=batch(0), state=state)  # compile
     jax.block_until_ready(out.logits)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -81,6 +89,20 @@ def time_steps(model, n_seqs: int, T: int, context: int, steps: int, hlo_path: s
     return host, (time.perf_counter() - start) / steps, faults
 
 
+def profile_steps(model, n_seqs: int, T: int, context: int, steps: int, kv_dtype: str = "float32") -> dict:
+    """Where `steps` warm steps' device time goes (`bench.trace`): busy time against wall time per step, and the
+    kernels that take it."""
+    state, batch = _steps(model, n_seqs, T, context, kv_dtype)
+    fixed = jax.device_put(batch(1))
+    out, state = model.step(model.weights, batch=fixed, state=state)  # compiled by the timing before
+    jax.block_until_ready(out.logits)
+    with traced_calls() as trace:
+        for _ in range(steps):
+            out, state = model.step(model.weights, batch=fixed, state=state)
+        jax.block_until_ready(out.logits)
+    return {"batch": n_seqs, "T": T, **trace.summary(steps)}
+
+
 def compiled_kinds(hlo_text: str) -> dict[str, int]:
     """How many of each launching instruction a compiled step's HLO holds: on a GPU each fusion and custom call (a
     library product, a Pallas kernel) is a kernel launch, and a while loop or conditional reads its predicate on the
@@ -99,6 +121,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1, help="verify rounds, alternating the T values")
     parser.add_argument("--hlo", default=None, help="write the compiled batch-1 decode step's HLO text here")
+    parser.add_argument("--profile", action="store_true",
+                        help="trace the batch-1 decode step's device time by kernel (bench/trace.py) into the JSON")
     parser.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES, help="the KV pages")
     parser.add_argument("--weight-dtype", default=None, choices=("float32", "bfloat16"),
                         help="matmul weights (default: the backend's, see jaxmodel/precision.py)")
@@ -145,6 +169,12 @@ def main(argv=None) -> dict:
         print(f"decode  batch {b:3d}: {sec * 1e3:8.2f} ms/step  {b / sec:8.2f} tokens/s  "
               f"{sec * 1e3 / roofline_ms:5.2f}x roofline; device alone {device * 1e3:8.2f} ms  "
               f"{device * 1e3 / roofline_ms:5.2f}x", flush=True)
+    if args.profile:
+        results["profile"] = profile_steps(model, 1, 1, args.context, args.steps, kv_dtype=args.kv_dtype)
+        profile = results["profile"]
+        print(f"profile decode batch 1: device busy {profile.get('busy_us_per_call')} us of "
+              f"{profile.get('wall_us_per_call')} us a step, {profile.get('events_per_call')} device events a step",
+              flush=True)
     # Rounds alternate the T values, so that a slower spell of a shared machine falls on all of them; each T's
     # figures are the medians over rounds, its ratio the median of the per-round ratios to the first T.
     ts = list(map(int, args.verify_t.split(",")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -76,8 +77,10 @@ EIGEN_ROWS_MAX = 32  # above this (prefill chunks) YNNPACK's matrix product wins
 
 
 def small_row_form(m: int, w: jax.Array) -> str:
-    """Which product `linear` runs for m rows times w: "dot", "rows" or "eigen" (see linear)."""
+    """Which product `linear` runs for m rows times w: "dot", "rows", "eigen" or "pair" (see linear)."""
     n_out = w.shape[1]
+    if m == 1 and jax.default_backend() == "gpu" and os.environ.get("GDNSPEC_GPU_PAIR_ROWS") == "1":
+        return "pair"
     if m <= 1 or m > EIGEN_ROWS_MAX or w.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return "dot"
     return "rows" if m <= (ROWS_SPLIT_MAX_WIDE if n_out >= WIDE_N_OUT else ROWS_SPLIT_MAX) else "eigen"
@@ -89,6 +92,17 @@ def eigen_dot(x: jax.Array, w: jax.Array, precision: jax.lax.Precision) -> jax.A
     xt = jax.lax.optimization_barrier(x.T)
     return jax.lax.dot_general(xt, w, (((0,), (0,)), ((), ())), precision=precision,
                                preferred_element_type=jnp.float32)
+
+
+def paired_row_dot(x: jax.Array, w: jax.Array, precision: jax.lax.Precision) -> jax.Array:
+    """x [1, K] @ w [K, N] as a product of two rows, x beside itself, whose two equal results are averaged (exactly:
+    (a + a) / 2 = a). XLA's GPU compiler rewrites a vector-matrix dot whose matrix has fewer than 10 M elements into
+    a multiply and a reduce ("dot strength reduction"), which at one row reads the weights at a fraction of the
+    bandwidth a matrix product does (docs/performance.md, "On a GPU"); the barrier keeps it from seeing that the rows
+    are one. GPU only, and only with GDNSPEC_GPU_PAIR_ROWS=1 until measured."""
+    pair = jax.lax.optimization_barrier(jnp.concatenate([x, x]))
+    y = jnp.dot(pair, w, preferred_element_type=jnp.float32, precision=precision)
+    return (y[:1] + y[1:]) * 0.5
 
 
 def _multiplies_blocks(w: BlockRows) -> bool:
@@ -127,6 +141,7 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
       M <= 1 or M > 32: the plain dot;
       M = 2 (M <= 4 when n_out >= 16384, the LM head): M separate one-row products, each at the one-row rate;
       otherwise (M = 3..32): the dot on x^T (`eigen_dot`), which XLA runs with Eigen instead of YNNPACK.
+    On GPU with GDNSPEC_GPU_PAIR_ROWS=1, one row multiplies as a pair of rows (`paired_row_dot`).
     The rule follows `python -m bench.matmul_cpu --summarize bench/results/matmul-cpu.json`: against the plain dot,
     over one 0.8B step's products, the one-row products gain at M = 2 and the dot on x^T at 3-32, about even at 64
     and twice as slow at 256 (docs/performance.md, "Model step"). Cache-resident weights (the bundled model's) gain
@@ -173,6 +188,8 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
         rows = x.reshape(m, n_in)
         y = jnp.stack([jnp.dot(rows[i], w, preferred_element_type=jnp.float32, precision=precision)
                        for i in range(m)]).reshape(*lead, n_out)
+    elif form == "pair":
+        y = paired_row_dot(x.reshape(1, n_in), w, precision).reshape(*lead, n_out)
     else:
         y = eigen_dot(x.reshape(m, n_in), w, precision).reshape(*lead, n_out)
     return y if bias is None else y + bias

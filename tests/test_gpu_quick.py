@@ -10,8 +10,9 @@ import jax
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_quick.sh"
-STEPS = ("compiled-side-by-side", "iteration-cost", "iteration-cost-command-buffers", "speculation-1",
-         "speculation-16")
+STEPS = ("fused-kernel", "kernels", "model-0.8b", "step-0.8b", "step-0.8b-paired-rows", "step-0.8b-xla-gdn",
+         "speculation", "warm-start", "step-0.8b-command-buffers", "step-q4_k_m", "iteration-cost",
+         "iteration-cost-command-buffers")
 
 
 def run_script(out: Path, budget: int, **env) -> tuple[int, str]:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmodel.layers import EIGEN_ROWS_MAX, WIDE_N_OUT, linear, small_row_form
+from jaxmodel.layers import EIGEN_ROWS_MAX, WIDE_N_OUT, linear, paired_row_dot, small_row_form
 
 ON_CPU = jax.default_backend() == "cpu"
 
@@ -47,3 +47,17 @@ def test_every_form_equals_the_float64_product(lead, n_in, n_out, dtype, form, w
     # f32 summation over n_in terms: relative to the product's scale, a few ulps times sqrt(n_in)
     scale = np.abs(ref).max()
     np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=0, atol=2e-6 * scale)
+
+
+def test_paired_row_dot_is_the_one_row_product():
+    """The GPU's pair-of-rows form of a one-row product (`layers.paired_row_dot`) returns the one row's product:
+    float32 weights, and bf16 weights accumulating in float32."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(1, 96)).astype(np.float32)
+    w = rng.normal(size=(96, 40)).astype(np.float32)
+    got = paired_row_dot(jnp.asarray(x), jnp.asarray(w), jax.lax.Precision.HIGHEST)
+    np.testing.assert_allclose(np.asarray(got), x @ w, rtol=1e-5, atol=1e-5)
+    x16, w16 = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    want = jnp.dot(x16, w16, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(paired_row_dot(x16, w16, jax.lax.Precision.DEFAULT)), np.asarray(want),
+                               rtol=1e-5, atol=1e-5)
