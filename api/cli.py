@@ -101,7 +101,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:
-    from drafters.policy import ROLLBACK_MODES
+    from jaxmodel.requests import ROLLBACK_MODES
 
     p.add_argument("--drafters", help="comma-separated, in order of preference; 'none' for plain decoding")
     p.add_argument("--n-max", type=int)

@@ -27,8 +27,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from drafters.policy import InvalidSetting, Rollback, SpeculativeConfig
-from jaxmodel.runtime import Sampling
+from jaxmodel.requests import InvalidSetting, Rollback, Sampling, SpeculativeConfig
 from scheduler.types import FinishReason
 
 __all__ = [

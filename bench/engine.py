@@ -31,12 +31,12 @@ from collections import Counter
 import anyio
 import numpy as np
 
-from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 from scheduler.engine import DEFAULT_ITERATIONS
 from bench import save_json
+from jaxmodel.requests import SpeculativeConfig
 
 
 async def _run_batch(engine: Engine, requests: list[GenerationRequest]) -> dict:

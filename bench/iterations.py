@@ -17,8 +17,8 @@ import time
 import anyio
 import jax
 
-from drafters.policy import SpeculativeConfig
 from jaxmodel import load_model
+from jaxmodel.requests import SpeculativeConfig
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import Engine, GenerationRequest
 

@@ -386,7 +386,7 @@ def interleave_ours(peer: LlamaCpp, model_path: str, tokenized: list[list[int]],
     import anyio
 
     from bench.speculation import _stream
-    from drafters.policy import SpeculativeConfig
+    from jaxmodel.requests import SpeculativeConfig
     from jaxmodel import load_model
     from jaxmodel.tokenizer import load_tokenizer
     from scheduler import Engine, GenerationRequest

@@ -43,7 +43,6 @@ import anyio
 import jax
 
 from drafters.draft_model import check_same_vocab
-from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from jaxmodel.assets import default_draft_path
@@ -54,6 +53,7 @@ from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS
 
 from .prompts import load_prompt_set
 from bench import run_and_save, save_json
+from jaxmodel.requests import SpeculativeConfig
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "jaxmodel", "assets")
 DEFAULT_MODEL = os.path.join(ASSETS, "gdnspec-stdlib-target-q8_0.gguf")

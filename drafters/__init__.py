@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Draft, Drafter, DraftRequest, SeqId
-from .policy import ROLLBACK_MODES, DrafterPolicy, InvalidSetting, Rollback, SpeculativeConfig
+from .base import Draft, Drafter, DraftRequest
+from .policy import DrafterPolicy
 
 
 def standard_drafters(target, draft_model=None, *, max_seqs: int, max_context: int, n_max: int,
@@ -23,7 +23,4 @@ def standard_drafters(target, draft_model=None, *, max_seqs: int, max_context: i
     return drafters
 
 
-__all__ = [
-    "Draft", "DraftRequest", "Drafter", "DrafterPolicy", "InvalidSetting", "ROLLBACK_MODES", "Rollback", "SeqId",
-    "SpeculativeConfig", "standard_drafters",
-]
+__all__ = ["Draft", "DraftRequest", "Drafter", "DrafterPolicy", "standard_drafters"]

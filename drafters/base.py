@@ -7,14 +7,12 @@ A drafter proposes up to `n_max` tokens that continue a sequence; the target mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Iterator, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from jaxmodel.requests import SeqId
 from jaxmodel.runtime import RowResult
-
-SeqId = Hashable
-"""Names a sequence to the engine, the scheduler, the policy and the drafters alike (the engine counts them)."""
 
 
 @dataclass(frozen=True)

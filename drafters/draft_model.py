@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-
 from jaxmodel.gguf_io import open_gguf
 from jaxmodel.model import Model
+from jaxmodel.requests import SeqId
 from jaxmodel.runtime import Runtime, Shapes
 from jaxmodel.state import Row
 
-from .base import Draft, Drafter, DraftRequest, SeqId
+from .base import Draft, Drafter, DraftRequest
 
 CATCH_UP_CHUNK = 128
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jaxmodel.requests import SeqId
 from jaxmodel.runtime import RowResult
 
-from .base import Draft, Drafter, DraftRequest, SeqId
+from .base import Draft, Drafter, DraftRequest
 
 
 class MtpDrafter(Drafter):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest, SeqId
+from drafters.base import EMPTY_DRAFT, Draft, Drafter, DraftRequest
+from jaxmodel.requests import SeqId
 from jaxmodel.ngram_lookup import LOOKUP_MAX_N
 
 

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .base import Draft, Drafter, DraftRequest, SeqId
+from jaxmodel.requests import SeqId
+
+from .base import Draft, Drafter, DraftRequest
 
 
 def corruption(length: int, alpha: float, vocab: int, rng: np.random.Generator) -> np.ndarray:

@@ -24,20 +24,11 @@ from .delta_rule import CPU_CHUNKED_MIN_TOKENS
 from .host_io import PackedCall
 from .model import Model, rebuild
 from .ngram_lookup import LOOKUP_MAX_N
+from .requests import Sampling
 from .sampling import SamplingParams
 from .speculative import (BacklogInputs, ChainInputs, LoopInputs, ReplayInputs, VerifyInputs, draft_chain,
                           later_width, rebuild_pass_rows, speculative_step)
 from .state import NULL_PLANE, TRASH_PAGE, Row, StepOutput, bucket, bytes_per_plane, pack_batch
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """A request's sampling settings (temperature 0: greedy)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from itertools import islice
 from .memory import DraftCandidate, MemoryManager, RollbackCosts, pages_for
 from .stops import scan_stop_strings
 from .types import (UNNAMED_DRAFTER, Committed, Continued, Detokenizer, DoneEvent, DraftPlan, DraftStats, Event,
-                    FinishReason, Mode, Request, Row, SeqId, StepPlan, TokensEvent)
+                    FinishReason, Mode, Request, PlannedRow, SeqId, StepPlan, TokensEvent)
 
 PLANES_PER_SEQUENCE = 2
 PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence without a draft plan (see `schedule`)
@@ -322,7 +322,7 @@ class Scheduler:
         self._in_flight = None
         return events
 
-    def _continue(self, seq: _Sequence, row: Row, later: Sequence[Continued], burst: _Burst) -> None:
+    def _continue(self, seq: _Sequence, row: PlannedRow, later: Sequence[Continued], burst: _Burst) -> None:
         """Advance and append a row's later iterations into `burst`, until the sequence finishes."""
         planes = (row.read_plane,) + row.write_pool
         mode = "snapshot" if len(row.write_pool) > 1 else row.mode
@@ -411,16 +411,17 @@ class Scheduler:
             budget -= decision.n_drafts
         return budget
 
-    def _row(self, spec: _RowSpec) -> Row:
+    def _row(self, spec: _RowSpec) -> PlannedRow:
         seq = spec.seq
         spare = [p for p in seq.planes if p != seq.live_plane]
         n_write = spec.draft_max + 1 if spec.mode == "snapshot" else 1
-        return Row(seq_id=seq.request.seq_id, fed=tuple(seq.tokens[seq.n_computed:seq.n_computed + spec.n_feed]),
+        return PlannedRow(seq_id=seq.request.seq_id, fed=tuple(seq.tokens[seq.n_computed:seq.n_computed + spec.n_feed]),
                    start=seq.n_computed, read_plane=seq.live_plane, pages=tuple(seq.pages),
                    needs_logits=spec.n_feed == seq.to_compute, draft_max=spec.draft_max, mode=spec.mode,
-                   write_pool=tuple(spare[:n_write]), optimistic=spec.optimistic)
+                   write_pool=tuple(spare[:n_write]), optimistic=spec.optimistic,
+                   speculative=seq.request.speculative)
 
-    def _roll(self, seq: _Sequence, row: Row, n_accepted: int, trim: bool = True) -> None:
+    def _roll(self, seq: _Sequence, row: PlannedRow, n_accepted: int, trim: bool = True) -> None:
         """Move the live plane and n_computed after verification (tokens are appended by `_append`)."""
         self._advance(seq, row.mode, row.start, len(row.fed), row.write_pool, len(row.drafts), n_accepted,
                       row.drafter)
@@ -431,8 +432,8 @@ class Scheduler:
     def _advance(seq: _Sequence, mode: Mode, start: int, n_fed: int, write_pool: tuple[int, ...],
                  n_drafts: int, n_accepted: int, drafter: str | None) -> None:
         """`_roll` for a step of n_fed tokens from `start` and n_drafts drafts, of which n_accepted were accepted
-        (also each later iteration of a looping call, which feeds one token and builds no `Row`). The planes are
-        `Row.write_planes`: snapshot wrote the state after `last` and each draft to write_pool in turn; replay
+        (also each later iteration of a looping call, which feeds one token and builds no `PlannedRow`). The planes are
+        `PlannedRow.write_planes`: snapshot wrote the state after `last` and each draft to write_pool in turn; replay
         rebuilt its plane on device; otherwise the one plane holds the state after every token fed, valid only
         when every draft was accepted."""
         if mode == "snapshot":

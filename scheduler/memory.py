@@ -53,7 +53,8 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from drafters.policy import Rollback, expected_accepted
+from drafters.policy import expected_accepted
+from jaxmodel.requests import Rollback
 
 from .types import Mode, SeqId
 

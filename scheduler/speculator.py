@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from drafters.base import Draft, DraftRequest, Drafter
-from drafters.policy import Choice, DrafterPolicy, SpeculativeConfig
+from drafters.policy import Choice, DrafterPolicy
 from jaxmodel.runtime import Calibration, RowLoop, RowResult, Runtime, StepRow
 from jaxmodel.state import NULL_PLANE
 
@@ -29,7 +29,7 @@ from .core import Scheduler
 from .memory import RollbackCosts
 from .step_costs import record_costs
 from .step_times import StepTimes
-from .types import Committed, Continued, DraftPlan, Row, SeqId, StepPlan
+from .types import Committed, Continued, DraftPlan, PlannedRow, SeqId, StepPlan
 
 log = logging.getLogger("gdnspec.engine")
 
@@ -141,7 +141,7 @@ class Speculator:
         may_draft = self.scheduler.may_draft()
         planned = {}
         for seq_id in may_draft:
-            config = self._speculative(seq_id)
+            config = self.scheduler.request(seq_id).speculative
             if config is None:
                 continue
             if self.adaptive:
@@ -172,7 +172,7 @@ class Speculator:
         by drafter, so every drafter proposes once per round for all the sequences that chose it."""
         options = {}
         for row in plan.rows:
-            config = self._speculative(row.seq_id)
+            config = row.speculative
             if row.draft_max > 0 and config is not None and choices.get(row.seq_id):
                 options[row.seq_id] = (row, config, choices[row.seq_id])
         drafts, names = {}, {}
@@ -243,14 +243,14 @@ class Speculator:
             return self.iterations
         return max(1, min(self.iterations, int(self.max_call_seconds / per_iteration)))
 
-    def _step_row(self, row: Row, batch_size: int, may_loop: bool, choices: Sequence[Choice] = ()) -> StepRow:
+    def _step_row(self, row: PlannedRow, batch_size: int, may_loop: bool, choices: Sequence[Choice] = ()) -> StepRow:
         """The runtime's view of a plan row: its drafts, sampling, the drafts to chain on device for its next step
         (as long as the policy would plan for each drafter that chains on device), and whether it may run more
         iterations in the same call (a decoding row in plain, snapshot or replay mode, without stop strings, whose
         drafts come from the device: the MTP head's, or the n-gram lookup's where the policy chose it; `choices`
         are the policy's for this step)."""
         request = self.scheduler.request(row.seq_id)
-        config = request.speculative
+        config = row.speculative
         n_chain = -1
         for drafter in self._drafters_of(row):
             n_next = self.policy.length(row.seq_id, drafter.name, config, batch_size) if self.adaptive else config.n_max
@@ -271,18 +271,20 @@ class Speculator:
             loop = RowLoop(n_draft, (row.read_plane,) + row.write_pool, self.scheduler.remaining(row.seq_id),
                            replay=row.mode == "replay", optimistic=row.optimistic, lookup=lookup,
                            history=self.scheduler.tokens(row.seq_id) if lookup else ())  # fmt: skip
-        return StepRow(row, row.drafts, request.sampling, n_chain, p_min, loop,
+        return StepRow(row.device_row(), row.drafts, request.sampling, n_chain, p_min, loop,
                        replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic,
                        backlog_slot=self._backlog_slot(row.seq_id) if n_chain >= 0 else -1)
 
-    def _isolated_step_row(self, row: Row, batch_size: int, may_loop: bool, choices: Sequence[Choice]) -> StepRow:
+    def _isolated_step_row(self, row: PlannedRow, batch_size: int, may_loop: bool,
+                           choices: Sequence[Choice]) -> StepRow:
         """`_step_row`; where that raises (a drafter's `device_chain`, the policy), the row's fault and a row that
         only verifies (its result is dropped)."""
         try:
             return self._step_row(row, batch_size, may_loop, choices)
         except Exception as exc:
             self._fault(row.seq_id, self.culprit(exc), exc)
-            return StepRow(row, row.drafts, replay=row.mode == "replay" and bool(row.drafts), optimistic=row.optimistic)
+            return StepRow(row.device_row(), row.drafts, replay=row.mode == "replay" and bool(row.drafts),
+                           optimistic=row.optimistic)
 
     def _backlog_slot(self, seq_id: SeqId) -> int:
         """The sequence's slot in the MTP head's backlog, taken at its first row that runs the head (-1 where none
@@ -309,7 +311,7 @@ class Speculator:
         half = len(rows) // 2
         return self._run(rows[:half], iterations) + self._run(rows[half:], iterations)
 
-    def _commit(self, row: Row, result: RowResult, choices: dict[SeqId, list[Choice]]):
+    def _commit(self, row: PlannedRow, result: RowResult, choices: dict[SeqId, list[Choice]]):
         """A verified row's committed tokens and later iterations, for the scheduler; tells its drafters."""
         committed = Committed(tuple(result.committed), result.n_accepted)
         self._observe(row.seq_id, row.drafter, len(row.drafts), result.n_accepted, result.committed)
@@ -357,18 +359,14 @@ class Speculator:
             self.drafters[drafter].observe(seq_id, accepted, committed)
             self.policy.observe(seq_id, drafter, drafted, accepted)
 
-    def _speculative(self, seq_id: SeqId) -> SpeculativeConfig | None:
-        return self.scheduler.request(seq_id).speculative
+    def _drafters_of(self, row: PlannedRow) -> list[Drafter]:
+        return [self.drafters[name] for name in row.speculative.drafters] if row.speculative else []
 
-    def _drafters_of(self, row: Row) -> list[Drafter]:
-        config = self._speculative(row.seq_id)
-        return [self.drafters[name] for name in config.drafters] if config else []
-
-    def _device_drafter(self, row: Row) -> str | None:
+    def _device_drafter(self, row: PlannedRow) -> str | None:
         """The first of the row's drafters that drafts on device (the MTP head), if any."""
         return next((d.name for d in self._drafters_of(row) if d.device_chain(row.seq_id, 0) >= 0), None)
 
-    def _loop_drafter(self, row: Row, choices: Sequence[Choice]) -> tuple[str | None, tuple[int, int] | None]:
+    def _loop_drafter(self, row: PlannedRow, choices: Sequence[Choice]) -> tuple[str | None, tuple[int, int] | None]:
         """Who drafts in the row's later iterations of a call: the policy's main choice where its lookup runs on
         device (with its n-gram sizes), else the first of the row's drafters that chains on device (the MTP head),
         if any."""

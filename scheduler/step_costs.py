@@ -12,7 +12,7 @@ from jaxmodel.runtime import RowResult, Runtime, StepRow
 
 from .memory import replay_plane_wrong
 from .step_times import StepTimes
-from .types import Row, StepPlan
+from .types import PlannedRow, StepPlan
 
 
 def tokens_per_iteration(first: int, results: Sequence[RowResult], n_iterations: int) -> float:
@@ -30,7 +30,7 @@ def tokens_per_iteration(first: int, results: Sequence[RowResult], n_iterations:
 def record_costs(plan: StepPlan, rows: list[StepRow], results: Sequence[RowResult], seconds: float, *,
                  runtime: Runtime, policy: DrafterPolicy, step_times: StepTimes,
                  iteration_seconds: dict[int, float], lookup_drafter: str | None,
-                 device_drafter: Callable[[Row], str | None]) -> None:
+                 device_drafter: Callable[[PlannedRow], str | None]) -> None:
     """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
     (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
     the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
@@ -65,7 +65,7 @@ def record_costs(plan: StepPlan, rows: list[StepRow], results: Sequence[RowResul
 
 
 def call_drafter(plan: StepPlan, rows: list[StepRow], lookup_drafter: str | None,
-                 device_drafter: Callable[[Row], str | None]) -> str | None:
+                 device_drafter: Callable[[PlannedRow], str | None]) -> str | None:
     """The drafter most of a call's rows drafted with or were given to draft with: a row's own drafts' drafter,
     else the n-gram lookup where its iterations looked up (whether or not it found a draft), else the MTP head
     where it chained; None where no row did any of it (the rate plain decoding is measured by: a call whose

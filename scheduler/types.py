@@ -2,8 +2,7 @@
 
 Everything here is a frozen dataclass or a Protocol; the mutable bookkeeping lives in `scheduler.core`.
 
-A plan row uses the attribute names of `jaxmodel.state.Row` (tokens, start, pages, read_plane, write_planes,
-logit_rows), so the runner can pack plan rows into a device batch directly.
+A plan row (`PlannedRow`) becomes the device's row (`jaxmodel.state.Row`) by `PlannedRow.device_row`.
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
-from drafters.base import SeqId
-from drafters.policy import Rollback, SpeculativeConfig
-from jaxmodel.runtime import Sampling
+from jaxmodel.requests import Rollback, Sampling, SeqId, SpeculativeConfig
+from jaxmodel.state import Row
 
 Mode = Literal["snapshot", "checkpoint", "replay"]  # the rollback mode a step runs in; a request may also ask for "auto"
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -91,7 +89,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Row:
+class PlannedRow:
     """One sequence's share of a step.
 
     The fed tokens are `tokens = fed + drafts` at positions start, start+1, ...; `fed` are committed tokens not yet
@@ -106,6 +104,7 @@ class Row:
     write_pool: planes the sequence may write this step (snapshot: draft_max + 1 of them; otherwise one).
     optimistic: in replay mode, the row writes the state after its last draft rather than after `last`
         (`scheduler.memory.replays_optimistically`; only rows with `last` as their only fed token).
+    speculative: the request's speculative decoding (None: plain), carried with the row to the speculator.
     """
 
     seq_id: SeqId
@@ -120,6 +119,7 @@ class Row:
     drafts: tuple[int, ...] = ()
     drafter: str | None = None
     optimistic: bool = False
+    speculative: SpeculativeConfig | None = None
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -155,15 +155,19 @@ class Row:
             return ()
         return tuple(range(len(self.fed) - 1, len(self.fed) + len(self.drafts)))
 
+    def device_row(self) -> Row:
+        """The row as the device takes it: its tokens, positions, pages and planes."""
+        return Row(self.tokens, self.start, self.pages, self.read_plane, self.write_planes, self.logit_rows)
+
 
 @dataclass(frozen=True)
 class StepPlan:
     """What one model step computes. Returned by `Scheduler.schedule`; drafts are attached with `with_drafts`."""
 
     step: int
-    rows: tuple[Row, ...]
+    rows: tuple[PlannedRow, ...]
 
-    def row(self, seq_id: SeqId) -> Row:
+    def row(self, seq_id: SeqId) -> PlannedRow:
         """The row of `seq_id` (KeyError when the sequence is not in this step)."""
         for r in self.rows:
             if r.seq_id == seq_id:

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from conftest import DATA, ENGINE, plain_greedy
 
-from drafters.policy import SpeculativeConfig
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from jaxmodel.model import Model
+from jaxmodel.requests import SpeculativeConfig
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 from scheduler.step_times import StepTimes

@@ -12,10 +12,10 @@ import pytest
 from conftest import DATA, plain_greedy
 from gguf import GGMLQuantizationType as QT
 
-from drafters.policy import SpeculativeConfig
 from jaxmodel import load_model
 from jaxmodel.assets import default_draft_path
 from jaxmodel.kernels import cpu_matmul
+from jaxmodel.requests import SpeculativeConfig
 from jaxmodel.weights import BlockRows, Fused, Q8Rows
 from scheduler import Engine, GenerationRequest, TokensEvent
 

@@ -6,18 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from drafters.policy import (
-    Costs,
-    DrafterPolicy,
-    DrafterStats,
-    LinearCost,
-    PolicyParams,
-    SequenceState,
-    SpeculativeConfig,
-    best_length,
-    expected_accepted,
-    planned_length,
-)
+from drafters.policy import Costs, DrafterPolicy, DrafterStats, LinearCost, PolicyParams, SequenceState, best_length, expected_accepted, planned_length
+from jaxmodel.requests import SpeculativeConfig
 
 TARGET = (0.010, 0.001)  # the simulated target step: 10 ms + 1 ms per verified token
 PROPOSAL_PER_TOKEN = {"a": 0.0005, "b": 0.0005, "mtp": 0.0005, "ngram": 0.00001, "slow": 0.005}

@@ -26,8 +26,7 @@ from api.protocol import (
     GenerateRequest, Limits, RollbackSteps, ServerMessage, ServerSettings, SpecStats, Speculative, Stats,
     StatsRequest, Timings, Tokens, Usage, check_prompt_tokens, resolve_generate, schema_json,
 )
-from drafters.policy import SpeculativeConfig
-from jaxmodel.runtime import Sampling
+from jaxmodel.requests import Sampling, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ServerSettings(

@@ -15,7 +15,7 @@ from test_server import SETTINGS
 
 from api.client import Client
 from api.server import Server, listening
-from drafters.policy import SpeculativeConfig
+from jaxmodel.requests import SpeculativeConfig
 from scheduler import Engine, GenerationRequest, Replicas
 
 MAX_TOKENS = 12

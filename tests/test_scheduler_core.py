@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafters.policy import SpeculativeConfig
+from jaxmodel.requests import SpeculativeConfig
 from scheduler.core import Scheduler
 from scheduler.memory import MemoryManager, PoolSizes, RollbackCosts, pages_for
 from scheduler.stops import scan_stop_strings

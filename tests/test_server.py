@@ -14,7 +14,7 @@ from websockets.asyncio.client import connect
 from api.client import Client, RequestError
 from api.protocol import Defaults, Limits, ServerSettings, Speculative
 from api.server import Server, listening
-from drafters.policy import SpeculativeConfig
+from jaxmodel.requests import SpeculativeConfig
 from scheduler import Engine, GenerationRequest
 
 
