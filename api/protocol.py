@@ -9,7 +9,7 @@ frame or request; with an id it is the last frame of that request, except ``unkn
 
 The server plugs in through :class:`Connection`, a Sans-I/O object holding one typed decoder and the ids in
 flight: ``connection.receive(frame)`` returns a resolved :class:`GenerateRequest` (its sampling a
-`jaxmodel.runtime.Sampling`, its speculative settings a `drafters.policy.SpeculativeConfig`, as the engine takes
+`jaxmodel.requests.Sampling`, its speculative settings a `drafters.policy.SpeculativeConfig`, as the engine takes
 them), a :class:`Cancel`, a :class:`StatsRequest`, or an :class:`Error` to send back. ``python -m api.protocol
 --schema`` prints the JSON Schema (docs/protocol.schema.json).
 """

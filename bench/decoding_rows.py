@@ -4,7 +4,7 @@ prompt's end."""
 
 from __future__ import annotations
 
-from jaxmodel.runtime import RowLoop, Runtime, RowResult, StepRow
+from jaxmodel.executor import RowLoop, Runtime, RowResult, StepRow
 from jaxmodel.state import Row
 
 PAGE_SIZE = 16

@@ -134,11 +134,11 @@ def run(args) -> dict:
         start = time.perf_counter()
         n_shapes = engine.warmup()
         sizes = engine.memory.sizes
-        rebuild_seconds, rebuild_rows = engine.runtime.rebuild_cost(concurrency) or (None, None)
+        rebuild_seconds, rebuild_rows = engine.runtime.costs.rebuild_cost(concurrency) or (None, None)
         calibrated = {"concurrency": concurrency, "budget_mb": budget_mb,
-                      "plane_write_seconds": engine.runtime.plane_write_cost(concurrency),
+                      "plane_write_seconds": engine.runtime.costs.plane_write_cost(concurrency),
                       "rebuild_seconds": rebuild_seconds, "rebuild_rows": rebuild_rows,
-                      "step_seconds": engine.runtime.step_costs(concurrency)}  # what auto weighs
+                      "step_seconds": engine.runtime.costs.step_costs(concurrency)}  # what auto weighs
         out.setdefault("calibrated", []).append(calibrated)
         print(f"B={concurrency:2d} budget {budget_mb:g} MB: {n_shapes} shapes compiled in "
               f"{time.perf_counter() - start:.0f} s; {sizes.n_planes - 1} planes, {sizes.n_pages - 1} pages, "

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxmodel import load_model
-from jaxmodel.runtime import RowLoop, Runtime, Shapes, StepRow
+from jaxmodel.executor import RowLoop, Runtime, Shapes, StepRow
 from jaxmodel.state import Row, bucket
 from jaxmodel.tokenizer import load_tokenizer
 

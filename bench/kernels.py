@@ -183,8 +183,8 @@ def model_calls(rows: int, iterations: int):
     from bench.decoding_rows import PAGE_SIZE, PLANES_PER_ROW, committed_tokens, prefilled_loops, sequences
     from bench.prompts import load_prompt_set
     from jaxmodel import load_model
-    from jaxmodel import runtime as runtime_module
-    from jaxmodel.runtime import Runtime, Shapes
+    from jaxmodel.executor import runtime as runtime_module
+    from jaxmodel.executor import Runtime, Shapes
     from jaxmodel.tokenizer import load_tokenizer
 
     path = str(ROOT / BUNDLED)

@@ -23,7 +23,7 @@ import time
 import jax
 
 from jaxmodel import load_model
-from jaxmodel.runtime import Runtime, Shapes, share_buckets
+from jaxmodel.executor import Runtime, Shapes, share_buckets
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import Engine, GenerationRequest, Replicas
 

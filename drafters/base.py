@@ -12,7 +12,7 @@ from typing import Iterator, Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from jaxmodel.requests import SeqId
-from jaxmodel.runtime import RowResult
+from jaxmodel.executor import RowResult
 
 
 @dataclass(frozen=True)

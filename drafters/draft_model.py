@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from jaxmodel.gguf_io import open_gguf
 from jaxmodel.model import Model
 from jaxmodel.requests import SeqId
-from jaxmodel.runtime import Runtime, Shapes
+from jaxmodel.executor import Runtime, Shapes
 from jaxmodel.state import Row
 
 from .base import Draft, Drafter, DraftRequest

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxmodel.requests import SeqId
-from jaxmodel.runtime import RowResult
+from jaxmodel.executor import RowResult
 
 from .base import Draft, Drafter, DraftRequest
 

@@ -2,7 +2,7 @@
 
 This module is the one place that chooses how attention over pages runs; `layers.paged_attention` calls
 `attend` and never an implementation directly. Every row carries the page table of a full-length sequence
-(`Shapes` in jaxmodel/runtime.py), so reading the whole table would make a step cost --max-model-len; both
+(`Shapes` in jaxmodel/executor/runtime.py), so reading the whole table would make a step cost --max-model-len; both
 implementations stop at the last live page instead, with a bound computed on device (no new shapes).
 The specification they are tested against is `jaxmodel.kernels.paged_attention.paged_attention_reference`.
 """

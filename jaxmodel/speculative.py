@@ -282,7 +282,7 @@ def replay_rebuild(
     Those rows go first and are rebuilt rebuild_pass_rows(rows_per_pass, B) at a time, as many passes as they need,
     none when no plane is wrong. Where a pass's cost follows its rows (large states on CPU: moving them through
     memory) one row per pass rebuilds only what is wrong; where it is mostly a fixed cost (small states, a GPU)
-    one pass of all rows is cheaper (`jaxmodel.runtime.PER_ROW_REBUILD_MIN_BYTES`)."""
+    one pass of all rows is cheaper (`jaxmodel.executor.runtime.PER_ROW_REBUILD_MIN_BYTES`)."""
     B = replay.plane.shape[0]
     optimistic = replay.optimistic
     source = jnp.where(optimistic, read_plane, replay.plane)

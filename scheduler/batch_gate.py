@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from drafters.base import Drafter
 from drafters.policy import Choice, DrafterPolicy, drafting_pays, expected_accepted
-from jaxmodel.runtime import Runtime
+from jaxmodel.executor import Runtime
 
 from .step_times import StepTimes
 from .types import SeqId
@@ -66,6 +66,6 @@ def batch_declines(planned: Mapping[SeqId, Sequence[Choice]], n_rows: int, *, ru
         return False
     plain, drafting, measured = prices
     if not measured and any(drafters[c.drafter].device_chain(seq_id, 1) > 0 for seq_id, c in firsts):
-        drafting += runtime.chain_cost(n_rows) * longest
+        drafting += runtime.costs.chain_cost(n_rows) * longest
     gain = sum(expected_accepted(policy.acceptance(seq_id, c.drafter), c.n_draft) for seq_id, c in firsts)
     return not drafting_pays(n_rows, gain, plain, drafting)

@@ -26,7 +26,7 @@ from drafters import standard_drafters
 from drafters.base import Drafter
 from drafters.policy import DrafterPolicy, PolicyParams
 from jaxmodel.model import Model
-from jaxmodel.runtime import Runtime, Shapes
+from jaxmodel.executor import Runtime, Shapes
 from jaxmodel.state import (KV_DTYPES, backlog_bytes_per_token, bytes_per_plane, kv_bytes_per_page,
                             replay_bytes_per_token)
 

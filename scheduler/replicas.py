@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import anyio
 
-from jaxmodel.runtime import share_buckets
+from jaxmodel.executor import share_buckets
 
 from .engine import Engine, Load, RequestTiming
 from .types import DoneEvent, GenerationRequest, TokensEvent

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from drafters.base import Draft, DraftRequest, Drafter
 from drafters.policy import Choice, DrafterPolicy
-from jaxmodel.runtime import Calibration, RowLoop, RowResult, Runtime, StepRow
+from jaxmodel.executor import Calibration, RowLoop, RowResult, Runtime, StepRow, calibrate
 from jaxmodel.state import NULL_PLANE
 
 from .batch_gate import BatchGate, batch_declines
@@ -130,7 +130,7 @@ class Speculator:
     def calibrate(self, spare_planes: Sequence[int]) -> Calibration:
         """Time the runtime's steps (`Runtime.calibrate`, lent `spare_planes` to time snapshot's state writes in)
         and give the policy and the batch gate their first prices."""
-        calibration = self.runtime.calibrate(spare_planes=spare_planes)
+        calibration = calibrate(self.runtime, spare_planes=spare_planes)
         self.policy.calibrate(calibration.step_seconds)
         self.step_times.calibrate({**calibration.step_seconds, **calibration.longer_step_seconds})
         return calibration
@@ -162,10 +162,10 @@ class Speculator:
         target step (what replayed tokens cost until calibrated; the rebuild then costs as much as one of them)."""
         n_rows = max(self.scheduler.n_running, 1)
         per_token = self.policy.token_seconds(n_rows)
-        rebuild_seconds, rebuild_rows = self.runtime.rebuild_cost(n_rows) or (per_token, 0)
+        rebuild_seconds, rebuild_rows = self.runtime.costs.rebuild_cost(n_rows) or (per_token, 0)
         return RollbackCosts(token_seconds=per_token, rebuild_seconds=rebuild_seconds, rebuild_rows=rebuild_rows,
-                             step_seconds=self.runtime.step_costs(n_rows),
-                             plane_write_seconds=self.runtime.plane_write_cost(n_rows))
+                             step_seconds=self.runtime.costs.step_costs(n_rows),
+                             plane_write_seconds=self.runtime.costs.plane_write_cost(n_rows))
 
     def _attach_drafts(self, plan: StepPlan, choices: dict[SeqId, list[Choice]]) -> StepPlan:
         """Per sequence, the policy's drafters in order; each round batches the sequences still without a draft

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from drafters.policy import DrafterPolicy
-from jaxmodel.runtime import RowResult, Runtime, StepRow
+from jaxmodel.executor import RowResult, Runtime, StepRow
 
 from .memory import replay_plane_wrong
 from .step_times import StepTimes
@@ -51,7 +51,7 @@ def record_costs(plan: StepPlan, rows: list[StepRow], results: Sequence[RowResul
         committed = sum(len(r.committed) + sum(len(it.committed) for it in r.more) for r in results)
         step_times.record_rate(B, call_drafter(plan, rows, lookup_drafter, device_drafter), committed, seconds)
     chaining = [(row, step_row.n_chain) for row, step_row in zip(plan.rows, rows) if step_row.n_chain > 0]
-    per_draft = runtime.chain_cost(len(rows))
+    per_draft = runtime.costs.chain_cost(len(rows))
     chain_seconds = per_draft * max((n for _, n in chaining), default=0)  # the chain runs its longest row's links
     rebuilding = rebuild_seconds(runtime, rows, results)
     policy.record_target(max((seconds - rebuilding) / n_iterations - chain_seconds, 0.0),
@@ -86,7 +86,7 @@ def call_drafter(plan: StepPlan, rows: list[StepRow], lookup_drafter: str | None
 def rebuild_seconds(runtime: Runtime, rows: list[StepRow], results: Sequence[RowResult]) -> float:
     """What a device call spent rebuilding replay rows: per iteration, a calibrated pass per rebuild_rows of
     its wrong planes (`replay_plane_wrong`)."""
-    cost = runtime.rebuild_cost(len(rows))
+    cost = runtime.costs.rebuild_cost(len(rows))
     if cost is None:
         return 0.0
     seconds, per_pass = cost

@@ -445,8 +445,8 @@ def test_requests_are_served_while_shapes_compile_in_the_background(target, prom
     gc.unfreeze()  # an earlier engine's warm-up may have frozen the heap
     tokens, engine = anyio.run(main)
     assert tokens == references[prompts[0]]
-    assert set(engine.runtime.chain_seconds) == {1}  # calibrated: one batch bucket, the MTP head chains
-    assert set(engine.runtime.plane_write_seconds) == {1}  # in planes lent while idle, and given back:
+    assert set(engine.runtime.costs.chain_seconds) == {1}  # calibrated: one batch bucket, the MTP head chains
+    assert set(engine.runtime.costs.plane_write_seconds) == {1}  # in planes lent while idle, and given back:
     assert engine.memory.free_planes == engine.memory.usable_planes
     assert gc.get_freeze_count() > 0  # what the warm-up left is out of the collector's way (`freeze_heap`)
 
@@ -488,7 +488,7 @@ def test_a_looping_call_is_priced_by_the_tokens_its_later_iterations_verified():
     """Two rows whose first iteration is plain; in the second one row verifies three drafts (one rejected, fed as
     -1) and the other none; the third runs the first row alone. The call verified 8 tokens in 3 iterations, not
     2 per iteration as its first iteration alone says."""
-    from jaxmodel.runtime import Iteration, RowResult
+    from jaxmodel.executor import Iteration, RowResult
     from scheduler.step_costs import tokens_per_iteration
 
     first = RowResult(0, [5], [], more=[Iteration([6, 7, -1], 2, [6, 7, 9]), Iteration([], 0, [10])])

@@ -1,4 +1,4 @@
-"""The packed host <-> device buffers of a step (`jaxmodel.host_io`): every leaf survives the round trip exactly,
+"""The packed host <-> device buffers of a step (`jaxmodel.executor.host_io`): every leaf survives the round trip exactly,
 through a jitted call as the runtime makes it."""
 
 import threading
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmodel.host_io import PackedCall, pack, pack_traced, unpack, unpack_host
+from jaxmodel.executor.host_io import PackedCall, pack, pack_traced, unpack, unpack_host
 from jaxmodel.sampling import SamplingParams
 from jaxmodel.speculative import ChainInputs
 

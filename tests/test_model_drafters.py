@@ -16,7 +16,7 @@ from jaxmodel import load_model
 from jaxmodel.assets import default_model_path
 from jaxmodel.kernels import cpu_matmul
 from jaxmodel.model import Model
-from jaxmodel.runtime import Runtime, RowLoop, Shapes, StepRow, plane_write_cost, share_buckets
+from jaxmodel.executor import RowLoop, Runtime, Shapes, StepRow, calibrate, plane_write_cost, share_buckets
 from jaxmodel.state import Row, pack_batch
 
 
@@ -263,9 +263,9 @@ def test_a_write_cost_within_the_steps_noise_counts_as_none():
 def test_the_worked_examples_in_the_runtime_hold():
     import doctest
 
-    import jaxmodel.runtime
+    from jaxmodel.executor import costs, shapes
 
-    assert doctest.testmod(jaxmodel.runtime).failed == 0
+    assert doctest.testmod(shapes).failed == 0 and doctest.testmod(costs).failed == 0
 
 
 @pytest.mark.parametrize("heads", ["fixture", "zeroed"])
@@ -332,13 +332,14 @@ def test_calibration_times_steps_without_touching_sequences(target):
     tokens = [int(t) for t in rng.integers(0, 509, 4)]
     runtime.step([StepRow(Row(tokens, 0, [1, 2], 0, [-1] * 3 + [1], [3]), n_chain=0)])  # a sequence's state
     before = jax.tree.map(np.array, runtime.state)
-    calibration = runtime.calibrate(repeats=2, spare_planes=[2])
+    calibration = calibrate(runtime, repeats=2, spare_planes=[2])
     assert set(calibration.plane_write_seconds) == {1}
-    assert runtime.plane_write_cost(1) == calibration.plane_write_seconds[1] >= 0
+    assert runtime.costs.plane_write_cost(1) == calibration.plane_write_seconds[1] >= 0
     assert set(calibration.step_seconds) == {(1, 1), (1, 4)} and all(s > 0 for s in calibration.step_seconds.values())
-    assert set(calibration.chain_seconds) == {1} and runtime.chain_cost(1) == calibration.chain_seconds[1] >= 0
+    assert set(calibration.chain_seconds) == {1} and runtime.costs.chain_cost(1) == calibration.chain_seconds[1] >= 0
     assert runtime.rebuild_rows == 0  # a tiny state: one pass of every row (`PER_ROW_REBUILD_MIN_BYTES`)
-    assert set(calibration.rebuild_seconds) == {1} and runtime.rebuild_cost(1) == (calibration.rebuild_seconds[1], 1)
+    assert set(calibration.rebuild_seconds) == {1}
+    assert runtime.costs.rebuild_cost(1) == (calibration.rebuild_seconds[1], 1)
     assert calibration.rebuild_seconds[1] >= 0
     after = jax.tree.map(np.array, runtime.state)
     for pool_before, pool_after in zip(before.k_pages + before.v_pages, after.k_pages + after.v_pages):

@@ -10,7 +10,7 @@ import pytest
 from conftest import DATA, fixture
 
 from jaxmodel import load_model
-from jaxmodel.runtime import Runtime, Shapes, StepRow
+from jaxmodel.executor import Runtime, Shapes, StepRow
 from jaxmodel.state import Row, pack_batch
 
 PAGE = 16
