@@ -38,64 +38,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from itertools import islice
 
-from .memory import DraftCandidate, MemoryManager, RollbackCosts, pages_for
-from .stops import scan_stop_strings
+from .grants import grant_drafts, hold_lookahead
+from .memory import MemoryManager, RollbackCosts, pages_for
+from .sequence import Burst, RowSpec, SequenceState
 from .types import (UNNAMED_DRAFTER, Committed, Continued, Detokenizer, DoneEvent, DraftPlan, DraftStats, Event,
-                    FinishReason, Mode, Request, PlannedRow, SeqId, StepPlan, TokensEvent)
+                    FinishReason, PlannedRow, Request, SeqId, StepPlan, TokensEvent)
 
 PLANES_PER_SEQUENCE = 2
-PRIOR_ACCEPTANCE = 0.5  # acceptance assumed for a sequence without a draft plan (see `schedule`)
-
-
-@dataclass(eq=False)
-class _Sequence:
-    """Mutable bookkeeping of one request, private to the scheduler (compared by identity)."""
-
-    request: Request
-    detokenizer: Detokenizer
-    tokens: list[int] = field(default_factory=list)  # committed: prompt + output
-    n_computed: int = 0  # tokens whose KV and GDN state are in pages / the live plane
-    live_plane: int = 0  # 0 = the null plane (nothing computed)
-    planes: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
-    admitted: int = -1  # admission order, -1 while waiting
-    last_served: int = -1  # step of the last row
-    n_generated: int = 0
-    held_text: str = ""
-    abort_requested: bool = False
-    preemptions: int = 0
-    draft_stats: dict[str, list[int]] = field(default_factory=dict)
-    rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0, "replay": 0})
-
-    @property
-    def running(self) -> bool:
-        return self.admitted >= 0
-
-    @property
-    def to_compute(self) -> int:
-        return len(self.tokens) - self.n_computed
-
-
-@dataclass(eq=False)
-class _Burst:
-    """What one row's step committed, gathered over its iterations into one tokens event (`Scheduler._append`)."""
-
-    ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    n_from_drafts: int = 0
-    reason: FinishReason | None = None
-
-
-@dataclass(eq=False)
-class _RowSpec:
-    seq: _Sequence
-    n_feed: int
-    draft_max: int = 0
-    mode: Mode | None = None
-    optimistic: bool = False
 
 
 class Scheduler:
@@ -127,9 +78,9 @@ class Scheduler:
         self.lookahead = lookahead
         self.rollback_costs = RollbackCosts()  # what replay and checkpoint cost, for rollback="auto" (`schedule`)
         self._detokenizer = detokenizer
-        self._seqs: dict[SeqId, _Sequence] = {}
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
+        self._seqs: dict[SeqId, SequenceState] = {}
+        self._waiting: deque[SequenceState] = deque()
+        self._running: list[SequenceState] = []
         self._n_admitted = 0
         self._step = 0
         self._in_flight: StepPlan | None = None
@@ -182,7 +133,7 @@ class Scheduler:
         if len(request.prompt) >= self.max_model_len:
             raise ValueError(f"prompt of {len(request.prompt)} tokens leaves no room in {self.max_model_len} "
                              "positions")
-        seq = _Sequence(request=request, detokenizer=self._detokenizer(), tokens=list(request.prompt))
+        seq = SequenceState(request=request, detokenizer=self._detokenizer(), tokens=list(request.prompt))
         self._seqs[request.seq_id] = seq
         self._waiting.append(seq)
 
@@ -214,8 +165,8 @@ class Scheduler:
 
         drafts: the drafter policy's plan per sequence, made first; memory is then granted for it (a draft may come
         out shorter, never longer). A sequence without an entry may draft up to its request's n_max, at an assumed
-        acceptance of PRIOR_ACCEPTANCE. rollback_costs: what each rollback mode costs now, for rollback="auto" (kept
-        for the steps that follow without).
+        acceptance of `grants.PRIOR_ACCEPTANCE`. rollback_costs: what each rollback mode costs now, for
+        rollback="auto" (kept for the steps that follow without).
         """
         if rollback_costs is not None:
             self.rollback_costs = rollback_costs
@@ -223,7 +174,7 @@ class Scheduler:
             raise RuntimeError(f"step {self._in_flight.step} is still in flight")
         self._step += 1
         budget = self.token_budget
-        specs: list[_RowSpec] = []
+        specs: list[RowSpec] = []
 
         order = sorted(self._running, key=lambda s: (s.last_served, s.to_compute > 1, s.admitted))
         for seq in order:
@@ -240,10 +191,12 @@ class Scheduler:
             if not seq.running:
                 continue
             seq.pages += self.memory.take_pages(max(0, need))
-            specs.append(_RowSpec(seq, n_feed))
+            specs.append(RowSpec(seq, n_feed))
             budget -= n_feed
 
-        budget = self._grant_drafts(specs, budget, drafts or {})
+        reserve = PLANES_PER_SEQUENCE * min(len(self._waiting), self.max_running - len(self._running))
+        budget = grant_drafts(specs, budget, drafts or {}, memory=self.memory, costs=self.rollback_costs,
+                              max_model_len=self.max_model_len, reserve_planes=reserve)
         if self.lookahead and (not self._waiting or len(self._running) >= self.max_running):
             self._hold_lookahead(specs)
 
@@ -260,12 +213,12 @@ class Scheduler:
             seq.admitted = self._n_admitted
             self._n_admitted += 1
             self._running.append(seq)
-            specs.append(_RowSpec(seq, n_feed))
+            specs.append(RowSpec(seq, n_feed))
             budget -= n_feed
 
         for spec in specs:
             spec.seq.last_served = self._step
-        plan = StepPlan(self._step, tuple(self._row(spec) for spec in specs))
+        plan = StepPlan(self._step, tuple(spec.planned_row() for spec in specs))
         self._in_flight = plan if plan.rows else None
         return plan
 
@@ -309,9 +262,9 @@ class Scheduler:
                 result = committed[row.seq_id]
                 later = (continued or {}).get(row.seq_id, ())
                 self._roll(seq, row, result.n_accepted, trim=not later)
-                burst = _Burst()
+                burst = Burst()
                 try:
-                    if not self._append(seq, result, burst) and later:
+                    if not seq.append(result, burst, self.max_model_len) and later:
                         self._continue(seq, row, later, burst)
                 except Exception as exc:  # the detokenizer's: the sequence ends, its batch-mates go on
                     self.faults.append((row.seq_id, exc))
@@ -322,37 +275,29 @@ class Scheduler:
         self._in_flight = None
         return events
 
-    def _continue(self, seq: _Sequence, row: PlannedRow, later: Sequence[Continued], burst: _Burst) -> None:
+    def _continue(self, seq: SequenceState, row: PlannedRow, later: Sequence[Continued], burst: Burst) -> None:
         """Advance and append a row's later iterations into `burst`, until the sequence finishes."""
         planes = (row.read_plane,) + row.write_pool
         mode = "snapshot" if len(row.write_pool) > 1 else row.mode
         for iteration in later:
             n_drafts = len(iteration.drafts)
             pool = tuple(p for p in planes if p != seq.live_plane)[: len(row.write_pool)]
-            self._advance(seq, mode, start=len(seq.tokens) - 1, n_fed=1, write_pool=pool, n_drafts=n_drafts,
+            seq.advance(mode, start=len(seq.tokens) - 1, n_fed=1, write_pool=pool, n_drafts=n_drafts,
                           n_accepted=iteration.committed.n_accepted,
                           drafter=(iteration.drafter or row.drafter or UNNAMED_DRAFTER) if n_drafts else None)
-            if self._append(seq, iteration.committed, burst):
+            if seq.append(iteration.committed, burst, self.max_model_len):
                 return  # finished: the iterations after it are not the sequence's
         self._trim_planes(seq)
 
-    def _hold_lookahead(self, specs: list[_RowSpec]) -> None:
-        """Best effort: pages for up to `lookahead` positions past each row's tokens, each row taking at most an
-        equal share of the free pages (so that holding them never keeps another running sequence from its share,
-        and a lookahead larger than memory allows still holds what fits). Requests waiting (for a row: this runs
-        then only with every row taken) keep what admitting them would need: their first chunks' pages, and a free
-        page per running sequence."""
-        limit = pages_for(self.max_model_len, self.memory.page_size)
+    def _hold_lookahead(self, specs: list[RowSpec]) -> None:
+        """Pages ahead for the rows (`grants.hold_lookahead`). Requests waiting (for a row: this runs then only with
+        every row taken) keep what admitting them would need: their first chunks' pages, and a free page per running
+        sequence."""
         reserve = sum(pages_for(min(seq.to_compute, self.chunk_size), self.memory.page_size)
                       for seq in islice(self._waiting, self.max_running))
         reserve += len(self._running) if self._waiting else 0
-        share = max(0, self.memory.free_pages - reserve) // max(len(self._running), 1)
-        for spec in specs:
-            seq = spec.seq
-            end = seq.n_computed + spec.n_feed + spec.draft_max + self.lookahead
-            want = min(pages_for(end, self.memory.page_size), limit, len(seq.pages) + share) - len(seq.pages)
-            if want > 0:
-                seq.pages += self.memory.take_pages(want)
+        hold_lookahead(specs, memory=self.memory, lookahead=self.lookahead, max_model_len=self.max_model_len,
+                       reserve_pages=reserve, n_running=len(self._running))
 
     def fail(self, plan: StepPlan, error: str = "the step failed") -> list[Event]:
         """The step could not run: every sequence in it ends with done(error) (cancelled if it was aborted).
@@ -380,113 +325,15 @@ class Scheduler:
         if [r.seq_id for r in plan.rows] != [r.seq_id for r in self._in_flight.rows]:
             raise RuntimeError(f"step {plan.step}: rows differ from the scheduled plan")
 
-    def _grant_drafts(self, specs: list[_RowSpec], budget: int, drafts: Mapping[SeqId, DraftPlan]) -> int:
-        """Give rows that reach `last` their draft length and mode; returns the budget left."""
-        candidates = []
-        for spec in specs:
-            seq, req = spec.seq, spec.seq.request
-            reaches_last = spec.n_feed == seq.to_compute
-            pending = spec.n_feed - 1
-            plan = drafts.get(req.seq_id, DraftPlan(req.n_max, PRIOR_ACCEPTANCE))
-            want = min(plan.n_draft, req.n_max,
-                       req.max_tokens - seq.n_generated - 1,
-                       self.max_model_len - len(seq.tokens) - 1)
-            if not reaches_last or pending > req.n_max or want <= 0:
-                continue
-            spare = len(seq.planes) - (seq.live_plane != 0)
-            candidates.append(DraftCandidate(seq.request.seq_id, want, req.rollback,
-                                             kv_end=seq.n_computed + spec.n_feed, pages_owned=len(seq.pages),
-                                             spare_planes=spare, n_pending=pending, alpha=plan.alpha,
-                                             pending_max=req.n_max))  # fmt: skip
-        if not candidates:
-            return budget
-        reserve = PLANES_PER_SEQUENCE * min(len(self._waiting), self.max_running - len(self._running))
-        by_id = {spec.seq.request.seq_id: spec for spec in specs}
-        for decision in self.memory.decide_drafts(candidates, budget, reserve_planes=reserve,
-                                                  costs=self.rollback_costs):
-            spec = by_id[decision.seq_id]
-            spec.seq.pages += self.memory.take_pages(decision.new_pages)
-            spec.seq.planes += self.memory.take_planes(decision.new_planes)
-            spec.draft_max, spec.mode, spec.optimistic = decision.n_drafts, decision.mode, decision.optimistic
-            budget -= decision.n_drafts
-        return budget
 
-    def _row(self, spec: _RowSpec) -> PlannedRow:
-        seq = spec.seq
-        spare = [p for p in seq.planes if p != seq.live_plane]
-        n_write = spec.draft_max + 1 if spec.mode == "snapshot" else 1
-        return PlannedRow(seq_id=seq.request.seq_id, fed=tuple(seq.tokens[seq.n_computed:seq.n_computed + spec.n_feed]),
-                   start=seq.n_computed, read_plane=seq.live_plane, pages=tuple(seq.pages),
-                   needs_logits=spec.n_feed == seq.to_compute, draft_max=spec.draft_max, mode=spec.mode,
-                   write_pool=tuple(spare[:n_write]), optimistic=spec.optimistic,
-                   speculative=seq.request.speculative)
-
-    def _roll(self, seq: _Sequence, row: PlannedRow, n_accepted: int, trim: bool = True) -> None:
-        """Move the live plane and n_computed after verification (tokens are appended by `_append`)."""
-        self._advance(seq, row.mode, row.start, len(row.fed), row.write_pool, len(row.drafts), n_accepted,
-                      row.drafter)
+    def _roll(self, seq: SequenceState, row: PlannedRow, n_accepted: int, trim: bool = True) -> None:
+        """Move the live plane and n_computed after verification (`Sequence.advance`), then return spare planes."""
+        seq.advance(row.mode, row.start, len(row.fed), row.write_pool, len(row.drafts), n_accepted, row.drafter)
         if trim:
             self._trim_planes(seq)
 
-    @staticmethod
-    def _advance(seq: _Sequence, mode: Mode, start: int, n_fed: int, write_pool: tuple[int, ...],
-                 n_drafts: int, n_accepted: int, drafter: str | None) -> None:
-        """`_roll` for a step of n_fed tokens from `start` and n_drafts drafts, of which n_accepted were accepted
-        (also each later iteration of a looping call, which feeds one token and builds no `PlannedRow`). The planes are
-        `PlannedRow.write_planes`: snapshot wrote the state after `last` and each draft to write_pool in turn; replay
-        rebuilt its plane on device; otherwise the one plane holds the state after every token fed, valid only
-        when every draft was accepted."""
-        if mode == "snapshot":
-            seq.live_plane = write_pool[n_accepted]
-            seq.n_computed = start + n_fed + n_accepted
-        elif mode == "replay":
-            seq.live_plane = write_pool[0]
-            seq.n_computed = start + n_fed + n_accepted
-        elif n_accepted == n_drafts:
-            seq.live_plane = write_pool[0]
-            seq.n_computed = start + n_fed + n_drafts
-        if n_drafts:
-            stats = seq.draft_stats.setdefault(drafter, [0, 0])
-            stats[0] += n_drafts
-            stats[1] += n_accepted
-            seq.rollback_steps[mode] += 1
 
-    def _append(self, seq: _Sequence, result: Committed, burst: _Burst) -> bool:
-        """Append one verified row's tokens to the sequence and to `burst`, up to a stop; True when that finished
-        the sequence (`burst.reason` says why; `_emit` then ends it)."""
-        req = seq.request
-        n_ids = len(burst.ids)
-        reason: FinishReason | None = None
-        cut_by_stop_string = False
-        for token in result.tokens:
-            seq.n_generated += 1
-            seq.tokens.append(token)
-            if token in req.stop_token_ids:
-                reason = "stop"
-                break
-            burst.ids.append(token)
-            if req.stop_strings:
-                scan = scan_stop_strings(seq.held_text + seq.detokenizer.add(token), req.stop_strings)
-                burst.text.append(scan.emit)
-                seq.held_text = scan.held
-                if scan.stopped:
-                    reason, cut_by_stop_string = "stop", True
-                    break
-            else:
-                burst.text.append(seq.detokenizer.add(token))
-            if seq.n_generated == req.max_tokens or len(seq.tokens) == self.max_model_len:
-                reason = "length"
-                break
-        burst.n_from_drafts += min(result.n_accepted, len(burst.ids) - n_ids)
-        if reason is not None and not cut_by_stop_string:
-            # The end of the output: held-back text is no stop string after all, unless the flush completes one.
-            scan = scan_stop_strings(seq.held_text + seq.detokenizer.flush(), req.stop_strings)
-            burst.text.append(scan.emit if scan.stopped else scan.emit + scan.held)
-            reason = "stop" if scan.stopped else reason
-        burst.reason = reason
-        return reason is not None
-
-    def _emit(self, seq: _Sequence, burst: _Burst) -> list[Event]:
+    def _emit(self, seq: SequenceState, burst: Burst) -> list[Event]:
         """A burst's events: its tokens (if any), then done if the sequence finished."""
         events: list[Event] = []
         text = "".join(burst.text)
@@ -496,7 +343,7 @@ class Scheduler:
             events.append(self._finish(seq, burst.reason))
         return events
 
-    def _trim_planes(self, seq: _Sequence) -> None:
+    def _trim_planes(self, seq: SequenceState) -> None:
         """Keep the live plane and one spare (two spares before anything is computed); return the rest."""
         keep = [seq.live_plane] if seq.live_plane else []
         others = [p for p in seq.planes if p != seq.live_plane]
@@ -504,20 +351,20 @@ class Scheduler:
         self.memory.give_planes(others[n_spare:])
         seq.planes = keep + others[:n_spare]
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: SequenceState) -> None:
         self.memory.give_pages(seq.pages)
         self.memory.give_planes(seq.planes)
         seq.pages, seq.planes = [], []
         seq.n_computed, seq.live_plane = 0, 0
 
-    def _preempt(self, seq: _Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         self._release(seq)
         self._running.remove(seq)
         seq.admitted = -1
         seq.preemptions += 1
         self._waiting.appendleft(seq)
 
-    def _finish(self, seq: _Sequence, reason: FinishReason, error: str | None = None) -> DoneEvent:
+    def _finish(self, seq: SequenceState, reason: FinishReason, error: str | None = None) -> DoneEvent:
         self._release(seq)
         if seq.running:
             self._running.remove(seq)
