@@ -43,7 +43,7 @@ from itertools import islice
 from .grants import grant_drafts, hold_lookahead
 from .memory import MemoryManager, RollbackCosts, pages_for
 from .sequence import Burst, RowSpec, SequenceState
-from .types import (UNNAMED_DRAFTER, Committed, Continued, Detokenizer, DoneEvent, DraftPlan, DraftStats, Event,
+from .types import (Committed, Continued, Detokenizer, DoneEvent, DraftPlan, Event,
                     FinishReason, PlannedRow, Request, SeqId, StepPlan, TokensEvent)
 
 PLANES_PER_SEQUENCE = 2
@@ -265,7 +265,8 @@ class Scheduler:
                 burst = Burst()
                 try:
                     if not seq.append(result, burst, self.max_model_len) and later:
-                        self._continue(seq, row, later, burst)
+                        if not seq.follow(row, later, burst, self.max_model_len):
+                            self._trim_planes(seq)
                 except Exception as exc:  # the detokenizer's: the sequence ends, its batch-mates go on
                     self.faults.append((row.seq_id, exc))
                     message = f"internal error in the detokenizer ({type(exc).__name__})"
@@ -274,20 +275,6 @@ class Scheduler:
                 events += self._emit(seq, burst)
         self._in_flight = None
         return events
-
-    def _continue(self, seq: SequenceState, row: PlannedRow, later: Sequence[Continued], burst: Burst) -> None:
-        """Advance and append a row's later iterations into `burst`, until the sequence finishes."""
-        planes = (row.read_plane,) + row.write_pool
-        mode = "snapshot" if len(row.write_pool) > 1 else row.mode
-        for iteration in later:
-            n_drafts = len(iteration.drafts)
-            pool = tuple(p for p in planes if p != seq.live_plane)[: len(row.write_pool)]
-            seq.advance(mode, start=len(seq.tokens) - 1, n_fed=1, write_pool=pool, n_drafts=n_drafts,
-                          n_accepted=iteration.committed.n_accepted,
-                          drafter=(iteration.drafter or row.drafter or UNNAMED_DRAFTER) if n_drafts else None)
-            if seq.append(iteration.committed, burst, self.max_model_len):
-                return  # finished: the iterations after it are not the sequence's
-        self._trim_planes(seq)
 
     def _hold_lookahead(self, specs: list[RowSpec]) -> None:
         """Pages ahead for the rows (`grants.hold_lookahead`). Requests waiting (for a row: this runs then only with
@@ -371,8 +358,4 @@ class Scheduler:
         elif seq in self._waiting:
             self._waiting.remove(seq)
         del self._seqs[seq.request.seq_id]
-        return DoneEvent(
-            seq_id=seq.request.seq_id, finish_reason=reason, prompt_tokens=len(seq.request.prompt),
-            completion_tokens=seq.n_generated,
-            drafters={name: DraftStats(d, a) for name, (d, a) in seq.draft_stats.items()},
-            rollback_steps=dict(seq.rollback_steps), preemptions=seq.preemptions, error=error)
+        return seq.done(reason, error)

@@ -5,10 +5,12 @@ memory."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .stops import scan_stop_strings
-from .types import Committed, Detokenizer, FinishReason, Mode, PlannedRow, Request
+from .types import (UNNAMED_DRAFTER, Committed, Continued, Detokenizer, DoneEvent, DraftStats, FinishReason, Mode,
+                    PlannedRow, Request)
 
 
 @dataclass(eq=False)
@@ -81,6 +83,30 @@ class SequenceState:
             stats[0] += n_drafts
             stats[1] += n_accepted
             self.rollback_steps[mode] += 1
+
+    def follow(self, row: PlannedRow, later: Sequence[Continued], burst: Burst, max_model_len: int) -> bool:
+        """Advance and append a row's later iterations (of the same device call) into `burst`; True when one
+        finished the sequence (the iterations after it are not the sequence's). Each iteration read the live plane
+        and wrote into the row's planes (its read plane, then its write pool) minus the live one, in that order."""
+        planes = (row.read_plane,) + row.write_pool
+        mode = "snapshot" if len(row.write_pool) > 1 else row.mode
+        for iteration in later:
+            n_drafts = len(iteration.drafts)
+            pool = tuple(p for p in planes if p != self.live_plane)[: len(row.write_pool)]
+            self.advance(mode, start=len(self.tokens) - 1, n_fed=1, write_pool=pool, n_drafts=n_drafts,
+                         n_accepted=iteration.committed.n_accepted,
+                         drafter=(iteration.drafter or row.drafter or UNNAMED_DRAFTER) if n_drafts else None)
+            if self.append(iteration.committed, burst, max_model_len):
+                return True
+        return False
+
+    def done(self, reason: FinishReason, error: str | None = None) -> DoneEvent:
+        """The event that ends the sequence."""
+        return DoneEvent(
+            seq_id=self.request.seq_id, finish_reason=reason, prompt_tokens=len(self.request.prompt),
+            completion_tokens=self.n_generated,
+            drafters={name: DraftStats(d, a) for name, (d, a) in self.draft_stats.items()},
+            rollback_steps=dict(self.rollback_steps), preemptions=self.preemptions, error=error)
 
     def append(self, result: Committed, burst: Burst, max_model_len: int) -> bool:
         """Append one verified row's tokens to the sequence and to `burst`, up to a stop; True when that finished
