@@ -36,7 +36,8 @@ def _build_engine(args):
     from drafters.draft_model import check_same_vocab
     from jaxmodel import load_model
     from jaxmodel.tokenizer import load_tokenizer
-    from scheduler.engine import DEFAULT_ITERATIONS, DEFAULT_MAX_CALL_SECONDS, Engine
+    from scheduler.assembly import DEFAULT_ITERATIONS, DEFAULT_MAX_CALL_SECONDS
+    from scheduler.engine import Engine
     from scheduler.replicas import Replicas
 
     if args.replicas < 1:

@@ -34,7 +34,7 @@ import numpy as np
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
-from scheduler.engine import DEFAULT_ITERATIONS
+from scheduler.assembly import DEFAULT_ITERATIONS
 from bench import save_json
 from jaxmodel.requests import SpeculativeConfig
 

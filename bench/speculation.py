@@ -49,7 +49,7 @@ from jaxmodel.assets import default_draft_path
 from jaxmodel.state import KV_DTYPES
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, Replicas, TokensEvent
-from scheduler.engine import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS
+from scheduler.assembly import DEFAULT_DRAFT_VOCAB, DEFAULT_ITERATIONS
 
 from .prompts import load_prompt_set
 from bench import run_and_save, save_json
