@@ -172,7 +172,7 @@ class Engine:
     def warmup(self, threads: int | None = None) -> int:
         """Compile every step shape this engine can run, the target's `threads` at a time (default: one per core
         this process may use; `Runtime.compile`), then time a few of them for the drafter policy's costs
-        (`Runtime.calibrate`); returns how many shapes compiled. `background_warmup` does the same while serving,
+        (`executor.calibrate`); returns how many shapes compiled. `background_warmup` does the same while serving,
         one shape at a time."""
         self.runtime.compile(available_cores() if threads is None else threads)
         n = sum(1 for _ in self.speculator.shapes_to_compile())

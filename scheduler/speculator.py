@@ -12,20 +12,20 @@ commits (`StepResult`). The scheduler never calls a drafter; the speculator neve
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from drafters.base import Draft, DraftRequest, Drafter
+from drafters.base import Drafter
 from drafters.policy import Choice, DrafterPolicy
 from jaxmodel.executor import Calibration, RowLoop, RowResult, Runtime, StepRow, calibrate
 from jaxmodel.state import NULL_PLANE
 
 from .batch_gate import BatchGate, batch_declines
 from .core import Scheduler
+from .drafting import attach_drafts
 from .memory import RollbackCosts
 from .step_costs import record_costs
 from .step_times import StepTimes
@@ -128,7 +128,7 @@ class Speculator:
             yield from drafter.warmup()
 
     def calibrate(self, spare_planes: Sequence[int]) -> Calibration:
-        """Time the runtime's steps (`Runtime.calibrate`, lent `spare_planes` to time snapshot's state writes in)
+        """Time the runtime's steps (`executor.calibrate`, lent `spare_planes` to time snapshot's state writes in)
         and give the policy and the batch gate their first prices."""
         calibration = calibrate(self.runtime, spare_planes=spare_planes)
         self.policy.calibrate(calibration.step_seconds)
@@ -168,61 +168,9 @@ class Speculator:
                              plane_write_seconds=self.runtime.costs.plane_write_cost(n_rows))
 
     def _attach_drafts(self, plan: StepPlan, choices: dict[SeqId, list[Choice]]) -> StepPlan:
-        """Per sequence, the policy's drafters in order; each round batches the sequences still without a draft
-        by drafter, so every drafter proposes once per round for all the sequences that chose it."""
-        options = {}
-        for row in plan.rows:
-            config = row.speculative
-            if row.draft_max > 0 and config is not None and choices.get(row.seq_id):
-                options[row.seq_id] = (row, config, choices[row.seq_id])
-        drafts, names = {}, {}
-        for round_ in itertools.count():
-            by_drafter: dict[str, list] = {}
-            for seq_id, (row, config, choices) in options.items():
-                if seq_id not in drafts and round_ < len(choices):
-                    by_drafter.setdefault(choices[round_].drafter, []).append((row, config, choices[round_]))
-            if not by_drafter:
-                break
-            for name, entries in by_drafter.items():
-                requests = [
-                    DraftRequest(row.seq_id, self.scheduler.tokens(row.seq_id), min(choice.n_draft, row.draft_max),
-                                 config.p_min)
-                    for row, config, choice in entries
-                ]  # fmt: skip
-                start = time.perf_counter()
-                proposals = self._propose(name, requests)
-                share = (time.perf_counter() - start) / len(requests)
-                # Drafters that draft on device are costed in `_record_costs` (the MTP chain) or inside the target's
-                # iterations (the lookup, whose host proposal is one per call, not per iteration).
-                on_device = name not in self.policy.params.host_drafters
-                for (row, config, _), proposal in zip(entries, proposals):
-                    if isinstance(proposal, Exception):
-                        self._fault(row.seq_id, f"drafter {name!r}", proposal)
-                        options.pop(row.seq_id)
-                        continue
-                    if not on_device:
-                        self.policy.record_proposal(name, share, len(proposal.tokens))
-                    if len(proposal.tokens) >= config.n_min:
-                        drafts[row.seq_id] = proposal.tokens[: row.draft_max]
-                        names[row.seq_id] = name
-        return plan.with_drafts(drafts, names)
-
-    def _propose(self, name: str, requests: list[DraftRequest]) -> list[Draft | Exception]:
-        """The drafter's proposals for `requests`, one call for all; where that raises or proposes a token outside
-        the vocabulary, each request alone, so that a request whose proposal fails gets its exception and the
-        others their drafts."""
-        try:
-            proposals = self.drafters[name].propose(requests)
-            if len(proposals) != len(requests):
-                raise ValueError(f"{len(proposals)} proposals for {len(requests)} requests")
-            for proposal in proposals:
-                if not all(0 <= token < self.n_vocab for token in proposal.tokens):
-                    raise ValueError(f"a draft token outside the vocabulary of {self.n_vocab}: {proposal.tokens[:8]}")
-            return proposals
-        except Exception as exc:
-            if len(requests) == 1:
-                return [exc]
-        return [self._propose(name, [request])[0] for request in requests]
+        """The plan with the drafts the rows' chosen drafters propose (`drafting.attach_drafts`)."""
+        return attach_drafts(plan, choices, tokens=self.scheduler.tokens, drafters=self.drafters,
+                             policy=self.policy, n_vocab=self.n_vocab, fault=self._fault)
 
     def _call_iterations(self, plan: StepPlan, quiet: bool) -> int:
         """Iterations for this step's call. All it may (`_iterations`) while no request waits or arrives; with every

@@ -32,7 +32,7 @@ def record_costs(plan: StepPlan, rows: list[StepRow], results: Sequence[RowResul
                  iteration_seconds: dict[int, float], lookup_drafter: str | None,
                  device_drafter: Callable[[PlannedRow], str | None]) -> None:
     """Report a device call's time to the policy: the target's share per iteration, and the MTP head's chain
-    (measured once by `Runtime.calibrate`, since one call's time cannot be split) as the proposal cost of
+    (measured once by `executor.calibrate`, since one call's time cannot be split) as the proposal cost of
     the drafter that chains on device, shared by the rows that chained. A step with replay rows ran the replay
     rebuild in its iterations (its calibrated cost is not the target's). Steps with prompt chunks are not
     reported: their cost follows the chunk, not the drafts. The time per iteration is priced by the tokens an

@@ -322,7 +322,7 @@ def test_shapes_compiled_side_by_side_are_the_ones_warmup_runs(target):
 
 
 def test_calibration_times_steps_without_touching_sequences(target):
-    """`Runtime.calibrate` times a decoding step, a verify step and the same verify step chaining MTP drafts, on
+    """`executor.calibrate` times a decoding step, a verify step and the same verify step chaining MTP drafts, on
     rows that read the null plane and write only the trash page, the replay rebuild alone, writing nothing, and
     the verify step writing its states into the spare planes it is lent: every other plane and every other page is
     unchanged."""

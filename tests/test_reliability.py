@@ -55,7 +55,7 @@ class PoisonedRuntime:
         return getattr(self._runtime, name)
 
     def step(self, rows, iterations):
-        if any(POISON in step_row.row.fed for step_row in rows):
+        if any(POISON in step_row.row.tokens for step_row in rows):
             raise MemoryError("device out of memory")
         return self._runtime.step(rows, iterations)
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Calibration:
-    """Warm step times measured by `Runtime.calibrate`, in seconds."""
+    """Warm step times measured by `calibrate`, in seconds."""
 
     step_seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, tokens per row) -> a step
     chain_seconds: dict[int, float] = field(default_factory=dict)  # rows -> what one chained MTP draft adds
