@@ -23,24 +23,23 @@ n, a small ridge prior splits the target's cost in that ratio. The engine calibr
 steps of one row at 1 and 1 + n_max tokens give the line until something is reported, and from then on their slope
 in seconds is the prior that splits measurements of one n. They are not measurements themselves: each is a call of
 its own, host overhead included, while the engine reports a call of several iterations per iteration, so mixing the
-two would read the overhead as a cost per verified token (measured on an H100: a plain phase then priced every
-verified token at 0.6 ms, against 0.03 ms calibrated, and the policy stopped drafting). It reports decoding steps
-only (a prompt chunk's cost says little about a draft's), and the draft chain the MTP head runs inside the target's
-step as that drafter's proposal cost, from the chain's calibrated cost per draft. Sequences batched together share a step: with B of
-them each is charged fixed / B (for alike sequences, the per-sequence optimum is then the batch's optimum). Steps
-of different batch sizes have lines of their own, one per `batch_class` (the powers of 4 the runtime compiles),
-each calibrated from that batch's warm steps: on one line over the batch's total tokens, one-row steps (where a
-draft's verify tokens and MTP chain cost about 0.13 ms a token on an H100) set the slope that 16-row steps were
-priced by, and MTP did not draft at 16 streams, where a fixed draft of 3 decoded 1.45x plain.
+two would read the overhead as a cost per verified token (on an H100 a plain phase then priced every verified token
+twenty times its calibrated cost, and the policy stopped drafting; docs/performance.md, "On a GPU"). It reports
+decoding steps only (a prompt chunk's cost says little about a draft's), and the draft chain the MTP head runs
+inside the target's step as that drafter's proposal cost, from the chain's calibrated cost per draft. Sequences
+batched together share a step: with B of them each is charged fixed / B (for alike sequences, the per-sequence
+optimum is then the batch's optimum). Steps of different batch sizes have lines of their own, one per `batch_class`
+(the powers of 4 the runtime compiles), each calibrated from that batch's warm steps: on one line over the batch's
+total tokens, one-row steps set the slope that 16-row steps were priced by, and MTP did not draft at 16 streams on
+an H100, where a fixed draft paid (docs/performance.md, "On a GPU").
 
 Calls of one iteration. The engine runs several iterations per device call while the host has nothing to decide,
 so a call's fixed cost (dispatch, read-back) is spread over its iterations; a draft proposed on the host
 (`host_drafters`: the draft model) needs the host between iterations, so its steps run one iteration per call.
 Calls of one iteration are fitted on a line of their own (`Costs.single`), which prices host drafters; no drafting
 and the drafters that draft on device (the MTP head's chain, the n-gram lookup) are priced per iteration of looping
-calls. Measured on an H100: 0.6 ms per
-iteration of a looping call against 2.5-2.8 ms for a call of one; on one shared line the n-gram drafter was
-undercharged and chosen at 0.82x plain, and MTP overcharged.
+calls: an iteration of a looping call costs a fraction of a call of one, so on one shared line the n-gram drafter
+was undercharged and chosen where it lost, and MTP overcharged (docs/performance.md, "On a GPU").
 
 Value. A draft of length d with per-token acceptance alpha yields E[accepted] = (1 - alpha^(d+1)) / (1 - alpha) - 1
 drafts plus the target's own token, so the expected tokens per unit of cost are

@@ -7,11 +7,11 @@ tensor extent checked against the file's size before it is used, and raises `Mod
 the field and the limit. Only then does `open_gguf` hand the file to the reader. The walk reads the header in
 place (memory map) and allocates nothing in proportion to what the file claims.
 
-The file's size is not bound enough: the reader builds numpy objects for every array entry (about 1 KiB and 15 µs
-each), and the loaders decode every string they use, so a large but well-formed hostile header (a 10^9-entry
-vocabulary, a 1 GB chat template) would still exhaust memory or take hours. The walk therefore also holds every
-count and length to the limits below, generous for real files (docs/model.md §9), and names the key, the length it
-found and the limit when one is passed.
+The file's size is not bound enough: the reader builds numpy objects for every array entry (each costing far more
+memory and time than its bytes in the file), and the loaders decode every string they use, so a large but well-
+formed hostile header (a 10^9-entry vocabulary, a 1 GB chat template) would still exhaust memory or take hours. The
+walk therefore also holds every count and length to the limits below, generous for real files (docs/model.md §9),
+and names the key, the length it found and the limit when one is passed.
 """
 
 from __future__ import annotations

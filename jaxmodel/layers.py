@@ -68,8 +68,8 @@ def matmul_precision(w: jax.Array) -> jax.lax.Precision:
 
 
 # Small-row products on XLA's CPU backend (see linear()). jaxlib 0.10 runs an f32 dot of one row with XLA's own
-# matrix-vector kernel but hands every dot of 2+ rows to YNNPACK, which costs 2-4x the one-row product at the 0.8B
-# model's shapes although both stream the same weights once.
+# matrix-vector kernel but hands every dot of 2+ rows to YNNPACK, which costs several times the one-row product at
+# the 0.8B model's shapes although both stream the same weights once (docs/performance.md, "Model step").
 ROWS_SPLIT_MAX = 2  # up to this many rows: one matrix-vector product per row
 ROWS_SPLIT_MAX_WIDE = 4  # ... up to this many when n_out >= WIDE_N_OUT (the LM head)
 WIDE_N_OUT = 16384

@@ -86,8 +86,8 @@ class Replicas:
 
     def warmup(self, threads: int | None = None) -> int:
         """Every engine's `warmup` (compiling and calibrating); returns the step shapes warmed in all. Runtimes of
-        one model share their compiled steps, so the second engine compiles none of the first's shapes again (the
-        bundled model at 16 rows: 60 shapes warmed in 146 s, where one engine took 152 s for its 30)."""
+        one model share their compiled steps, so the second engine compiles none of the first's shapes again
+        (docs/performance.md, "Two engines side by side")."""
         return sum(engine.warmup(threads) for engine in self.engines)
 
     def check(self, request: GenerationRequest) -> None:

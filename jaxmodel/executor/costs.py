@@ -37,9 +37,9 @@ def plane_write_cost(without: Sequence[float], with_writes: Sequence[float], n_p
     """Seconds one GDN state written into a plane adds to a step, from runs of the same step without and with
     n_planes more such writes, run in turn: the median of the paired differences, when a one-sided Wilcoxon
     signed-rank test says noise alone would make the runs with writes that much slower at most 5 % of the time,
-    else 0. A shared machine's pairs differ by tens of milliseconds either way in a 0.6 s step (and now and then
-    by 0.3 s), so one pair means little, and writes that cost nothing measurable must not trade snapshot for
-    another mode over noise.
+    else 0. On a shared machine a pair of runs of one step differs either way by far more than the writes may cost,
+    so one pair means little, and writes that cost nothing measurable must not trade snapshot for another mode
+    over noise (docs/design.md "Rollback").
 
     >>> plane_write_cost([1.00, 1.02, 1.05, 1.01], [1.01, 1.03, 1.04, 1.02], 4)  # 4 pairs cannot tell
     0.0
