@@ -77,6 +77,7 @@ from dataclasses import dataclass, field, replace
 
 from jaxmodel.requests import SeqId, SpeculativeConfig
 
+
 @dataclass(frozen=True)
 class PolicyParams:
     """The policy's constants (see the module docstring for their roles)."""
