@@ -309,7 +309,7 @@ BENCHMARKS = {"step": "bench.step", "engine": "bench.engine", "speculation": "be
               "peer": "bench.peer", "attention": "bench.attention", "q8-product": "bench.q8_product",
               "block-product": "bench.block_product",
               "kernels": "bench.kernels", "host": "bench.host",
-              "replicas": "bench.replicas"}
+              "replicas": "bench.replicas", "prefix-cache": "bench.prefix_cache"}
 
 
 def _bench(args) -> int:

@@ -1,0 +1,188 @@
+"""Multi-turn conversations through the server: time to first token and prompt tokens per turn.
+
+N conversations of K turns run at once, each turn after the last one's answer, all sharing a system prompt of S
+tokens: turn 1 sends the system prompt and a first user message; turn k sends everything before it (the earlier
+turns' prompts and the answers the server gave) and a new user message, as a chat client resends the whole
+conversation. What a prefix cache saves shows here: without one every turn prefills its whole prompt, so the time
+to a turn's first token grows with the conversation. Prompts travel as token ids (the model's own tokenizer cuts the
+text into them), so every turn's prompt extends the last one's exactly.
+
+    gdnspec bench prefix-cache --conversations 8 --turns 6 --system-tokens 1024 \\
+        --out bench/results/prefix-cache-cpu.json --plot bench/results/prefix-cache-cpu.png
+    gdnspec bench prefix-cache --url ws://127.0.0.1:8000 --model M    # a running server (M: its tokenizer)
+
+In-process (no --url) it serves the model itself over loopback with the settings below. Per turn the JSON holds the
+client's and the server's time to first token and the prompt's tokens, all of which the server prefills (it keeps no
+prefix cache yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import anyio
+import jax
+
+from api.client import Client
+from api.protocol import Tokens
+from jaxmodel.assets import default_model_path
+from jaxmodel.tokenizer import load_tokenizer
+
+from . import save_json
+from .prompts import CODE
+
+# The text the system prompt and the user messages are cut from: the code prompts, repeated (the bundled models know
+# this style, so their answers stay ordinary text).
+CORPUS = "\n".join(CODE)
+
+
+def corpus_ids(tokenizer, n: int, offset: int) -> list[int]:
+    """n token ids of the corpus, starting `offset` ids into its endless repetition."""
+    ids = tokenizer.encode(CORPUS)
+    reps = (offset + n) // len(ids) + 1
+    return (ids * reps)[offset : offset + n]
+
+
+async def converse(client: Client, system: list[int], users: list[list[int]], max_tokens: int) -> list[dict]:
+    """One conversation: a turn per user message, each sending the whole conversation so far. Returns each turn's
+    record."""
+    history = list(system)
+    turns = []
+    for k, user in enumerate(users):
+        prompt = history + user
+        start = time.perf_counter()
+        stream = await client.generate(prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0, speculative=None)
+        first = None
+        answer: list[int] = []
+        async for frame in stream:
+            if isinstance(frame, Tokens):
+                first = first if first is not None else time.perf_counter() - start
+                answer.extend(frame.token_ids)
+        done = stream.done
+        turns.append({"turn": k + 1, "prompt_tokens": done.usage.prompt_tokens, "answer_tokens": len(answer),
+                      "ttft_ms": None if first is None else first * 1e3, "server_ttft_ms": done.timings.ttft_ms,
+                      "total_ms": (time.perf_counter() - start) * 1e3})  # fmt: skip
+        history = prompt + answer
+    return turns
+
+
+async def run_conversations(url: str, tokenizer, *, conversations: int, turns: int, system_tokens: int,
+                            user_tokens: int, max_tokens: int) -> list[list[dict]]:
+    """Every conversation's turns, run at once over one connection."""
+    system = corpus_ids(tokenizer, system_tokens, 0)
+    results: list[list[dict]] = [[] for _ in range(conversations)]
+    async with Client(url) as client:
+        async def one(c: int) -> None:
+            users = [corpus_ids(tokenizer, user_tokens, 7919 * (c * turns + k + 1)) for k in range(turns)]
+            results[c] = await converse(client, system, users, max_tokens)
+
+        async with anyio.create_task_group() as tg:
+            for c in range(conversations):
+                tg.start_soon(one, c)
+    return results
+
+
+def summarize(results: list[list[dict]]) -> list[dict]:
+    """Per turn, over the conversations: the median client and server time to first token, and the prompt tokens
+    summed."""
+    per_turn = []
+    for k in range(len(results[0])):
+        turn = [conversation[k] for conversation in results]
+        ttfts = [t["ttft_ms"] for t in turn if t["ttft_ms"] is not None]
+        server = [t["server_ttft_ms"] for t in turn if t["server_ttft_ms"] is not None]
+        per_turn.append({"turn": k + 1, "median_ttft_ms": statistics.median(ttfts) if ttfts else None,
+                         "median_server_ttft_ms": statistics.median(server) if server else None,
+                         "prompt_tokens": sum(t["prompt_tokens"] for t in turn)})  # fmt: skip
+    return per_turn
+
+
+def plot(summary: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    turns = [t["turn"] for t in summary]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(turns, [t["median_ttft_ms"] for t in summary], marker="o", label="time to first token (median, ms)")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("ms")
+    twin = ax.twinx()
+    twin.bar(turns, [t["prompt_tokens"] for t in summary], alpha=0.25, color="tab:orange",
+             label="prompt tokens (all conversations)")
+    twin.set_ylabel("prompt tokens")
+    ax.set_title(title)
+    fig.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", default=None, help="a running server (default: serve --model in-process)")
+    parser.add_argument("--model", default=None, help="the GGUF served (its tokenizer cuts the prompts)")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system-tokens", type=int, default=1024)
+    parser.add_argument("--user-tokens", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=48, help="each answer's tokens at most")
+    parser.add_argument("--budget-mb", type=float, default=256, help="in-process: the engine's memory budget")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="in-process: positions per sequence")
+    parser.add_argument("--out", default=None, help="write JSON results here")
+    parser.add_argument("--plot", default=None, help="write a PNG of time to first token per turn here")
+    args = parser.parse_args(argv)
+    model_path = args.model or str(default_model_path())
+    tokenizer = load_tokenizer(model_path)
+    settings = dict(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
+                    user_tokens=args.user_tokens, max_tokens=args.max_tokens)  # fmt: skip
+    longest = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
+    if longest > args.max_model_len:
+        raise SystemExit(f"a conversation reaches {longest} tokens, past --max-model-len {args.max_model_len}")
+
+    async def in_process() -> tuple[list[list[dict]], float]:
+        from api.protocol import Defaults, Limits, ServerSettings
+        from api.server import Server, listening
+        from jaxmodel import load_model
+        from scheduler import Engine
+
+        engine = Engine(load_model(model_path), tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20),
+                        max_running=args.conversations, max_model_len=args.max_model_len)
+        warmup = time.perf_counter()
+        engine.warmup()
+        warmup = time.perf_counter() - warmup
+        settings_ = ServerSettings(defaults=Defaults(drafters=(), max_tokens=args.max_tokens), limits=Limits(
+            max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len,
+            known_drafters=tuple(engine.drafters)))  # fmt: skip
+        async with engine, listening(Server(engine, tokenizer, settings_)) as (url, _):
+            return await run_conversations(url, tokenizer, **settings), warmup
+
+    start = time.perf_counter()
+    if args.url:
+        results, warmup = anyio.run(lambda: run_conversations(args.url, tokenizer, **settings)), None
+    else:
+        results, warmup = anyio.run(in_process)
+    summary = summarize(results)
+    out = {"model": os.path.basename(model_path), "url": args.url, "backend": jax.default_backend(),
+           "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **settings,
+           "warmup_seconds": warmup, "wall_seconds": time.perf_counter() - start, "turns_summary": summary,
+           "conversations_turns": results}  # fmt: skip
+    second = summary[1]["median_ttft_ms"] if len(summary) > 1 else None
+    for t in summary:
+        ratio = f"{t['median_ttft_ms'] / second:5.2f}x turn 2" if second and t["median_ttft_ms"] else ""
+        print(f"turn {t['turn']}: median time to first token {t['median_ttft_ms']:8.1f} ms {ratio}  prompt "
+              f"{t['prompt_tokens']:6d} tokens", flush=True)
+    print(f"{sum(t['prompt_tokens'] for t in summary)} prompt tokens in all", flush=True)
+    if args.out:
+        save_json(out, args.out)
+    if args.plot:
+        plot(summary, args.plot, f"{out['model']}: {args.conversations} conversations, system prompt "
+                                 f"{args.system_tokens} tokens")
+    return out
+
+
+if __name__ == "__main__":
+    main()
