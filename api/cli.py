@@ -58,7 +58,7 @@ def _build_engine(args):
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
         adaptive=not args.fixed_policy, iterations=args.iterations or DEFAULT_ITERATIONS, draft_vocab=args.draft_vocab,
         max_call_seconds=DEFAULT_MAX_CALL_SECONDS if args.max_call_ms is None else args.max_call_ms / 1e3 or None,
-        kv_dtype=args.kv_dtype,
+        kv_dtype=args.kv_dtype, prefix_cache=args.prefix_cache,
     )  # fmt: skip
     try:  # settings no engine can serve with (a budget too small for one sequence of --max-model-len, ...)
         if args.replicas > 1:
@@ -99,6 +99,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
                    help="the target's KV cache: float16 holds twice the positions in the same budget and reads "
                         "half the bytes at a long context")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="keep each finished request's computed state (GDN plane, KV pages) inside --budget-mb for "
+                        "a request that continues it, a conversation's next turn, which then prefills only its new "
+                        "tokens; evicted oldest first when running requests need the memory")
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:

@@ -139,6 +139,7 @@ class Usage(Struct, frozen=True):
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: Annotated[int, Meta(description="Prompt tokens taken over from the prefix cache.")] = 0
 
 
 class DrafterStats(Struct, frozen=True):

@@ -375,7 +375,7 @@ class Server:
             rollback=RollbackSteps(done.rollback_steps.get("snapshot", 0), done.rollback_steps.get("checkpoint", 0),
                                    done.rollback_steps.get("replay", 0)),
         )
-        usage = Usage(done.prompt_tokens, done.completion_tokens)
+        usage = Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
         return Done(request_id, done.finish_reason, usage, spec, timings)
 
 

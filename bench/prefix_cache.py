@@ -11,9 +11,10 @@ text into them), so every turn's prompt extends the last one's exactly.
         --out bench/results/prefix-cache-cpu.json --plot bench/results/prefix-cache-cpu.png
     gdnspec bench prefix-cache --url ws://127.0.0.1:8000 --model M    # a running server (M: its tokenizer)
 
-In-process (no --url) it serves the model itself over loopback with the settings below. Per turn the JSON holds the
-client's and the server's time to first token and the prompt's tokens, all of which the server prefills (it keeps no
-prefix cache yet).
+In-process (no --url) it serves the model itself over loopback with the settings below (`--prefix-cache` for the
+engine's prefix cache). Per turn the JSON holds the client's and the server's time to first token, the prompt's
+tokens and those the server took over from its prefix cache (the done frame's `usage.cached_tokens`), so prefilled =
+prompt - cached.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ async def converse(client: Client, system: list[int], users: list[list[int]], ma
                 first = first if first is not None else time.perf_counter() - start
                 answer.extend(frame.token_ids)
         done = stream.done
-        turns.append({"turn": k + 1, "prompt_tokens": done.usage.prompt_tokens, "answer_tokens": len(answer),
+        turns.append({"turn": k + 1, "prompt_tokens": done.usage.prompt_tokens,
+                      "cached_tokens": done.usage.cached_tokens,
+                      "prefilled_tokens": done.usage.prompt_tokens - done.usage.cached_tokens,
+                      "answer_tokens": len(answer),
                       "ttft_ms": None if first is None else first * 1e3, "server_ttft_ms": done.timings.ttft_ms,
                       "total_ms": (time.perf_counter() - start) * 1e3})  # fmt: skip
         history = prompt + answer
@@ -87,8 +91,8 @@ async def run_conversations(url: str, tokenizer, *, conversations: int, turns: i
 
 
 def summarize(results: list[list[dict]]) -> list[dict]:
-    """Per turn, over the conversations: the median client and server time to first token, and the prompt tokens
-    summed."""
+    """Per turn, over the conversations: the median client and server time to first token, and the prompt, cached
+    and prefilled tokens summed."""
     per_turn = []
     for k in range(len(results[0])):
         turn = [conversation[k] for conversation in results]
@@ -96,7 +100,9 @@ def summarize(results: list[list[dict]]) -> list[dict]:
         server = [t["server_ttft_ms"] for t in turn if t["server_ttft_ms"] is not None]
         per_turn.append({"turn": k + 1, "median_ttft_ms": statistics.median(ttfts) if ttfts else None,
                          "median_server_ttft_ms": statistics.median(server) if server else None,
-                         "prompt_tokens": sum(t["prompt_tokens"] for t in turn)})  # fmt: skip
+                         "prompt_tokens": sum(t["prompt_tokens"] for t in turn),
+                         "cached_tokens": sum(t["cached_tokens"] for t in turn),
+                         "prefilled_tokens": sum(t["prefilled_tokens"] for t in turn)})  # fmt: skip
     return per_turn
 
 
@@ -112,9 +118,9 @@ def plot(summary: list[dict], path: str, title: str) -> None:
     ax.set_xlabel("turn")
     ax.set_ylabel("ms")
     twin = ax.twinx()
-    twin.bar(turns, [t["prompt_tokens"] for t in summary], alpha=0.25, color="tab:orange",
-             label="prompt tokens (all conversations)")
-    twin.set_ylabel("prompt tokens")
+    twin.bar(turns, [t["prefilled_tokens"] for t in summary], alpha=0.25, color="tab:orange",
+             label="tokens prefilled (all conversations)")
+    twin.set_ylabel("tokens prefilled")
     ax.set_title(title)
     fig.legend(loc="upper left")
     fig.tight_layout()
@@ -132,6 +138,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=48, help="each answer's tokens at most")
     parser.add_argument("--budget-mb", type=float, default=256, help="in-process: the engine's memory budget")
     parser.add_argument("--max-model-len", type=int, default=4096, help="in-process: positions per sequence")
+    parser.add_argument("--prefix-cache", action="store_true", help="in-process: the engine keeps finished "
+                        "requests' state for the requests that continue them (`scheduler.prefix_cache`)")
     parser.add_argument("--out", default=None, help="write JSON results here")
     parser.add_argument("--plot", default=None, help="write a PNG of time to first token per turn here")
     args = parser.parse_args(argv)
@@ -150,7 +158,8 @@ def main(argv=None) -> dict:
         from scheduler import Engine
 
         engine = Engine(load_model(model_path), tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20),
-                        max_running=args.conversations, max_model_len=args.max_model_len)
+                        max_running=args.conversations, max_model_len=args.max_model_len,
+                        prefix_cache=args.prefix_cache)
         warmup = time.perf_counter()
         engine.warmup()
         warmup = time.perf_counter() - warmup
@@ -174,8 +183,10 @@ def main(argv=None) -> dict:
     for t in summary:
         ratio = f"{t['median_ttft_ms'] / second:5.2f}x turn 2" if second and t["median_ttft_ms"] else ""
         print(f"turn {t['turn']}: median time to first token {t['median_ttft_ms']:8.1f} ms {ratio}  prompt "
-              f"{t['prompt_tokens']:6d} tokens", flush=True)
-    print(f"{sum(t['prompt_tokens'] for t in summary)} prompt tokens in all", flush=True)
+              f"{t['prompt_tokens']:6d} tokens, {t['cached_tokens']:6d} from the cache, {t['prefilled_tokens']:6d} "
+              f"prefilled", flush=True)
+    print(f"prefilled {sum(t['prefilled_tokens'] for t in summary)} of {sum(t['prompt_tokens'] for t in summary)} "
+          f"prompt tokens", flush=True)
     if args.out:
         save_json(out, args.out)
     if args.plot:

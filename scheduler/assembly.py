@@ -87,7 +87,7 @@ def assemble(model: Model, *, tokenizer, draft_model: Model | None, extra_drafte
              budget_bytes: int, max_running: int, max_model_len: int, token_budget: int, chunk_size: int,
              page_size: int, n_max: int, policy_params: PolicyParams | None, adaptive: bool, iterations: int,
              max_call_seconds: float | None, stop_token_ids: Sequence[int] | None, draft_vocab: int | None,
-             kv_dtype: str, row_buckets: tuple[int, ...]) -> EngineParts:
+             kv_dtype: str, row_buckets: tuple[int, ...], prefix_cache: bool = False) -> EngineParts:
     """An engine's parts for these settings (`Engine`'s arguments, which say what each means)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
@@ -117,7 +117,7 @@ def assemble(model: Model, *, tokenizer, draft_model: Model | None, extra_drafte
     scheduler = Scheduler(
         memory, detokenizer, max_model_len=max_model_len, token_budget=token_budget,
         max_running=max_running, chunk_size=chunk_size,
-        lookahead=iterations * (1 + n_max) + n_max if iterations > 1 else 0,
+        lookahead=iterations * (1 + n_max) + n_max if iterations > 1 else 0, prefix_cache=prefix_cache,
     )  # fmt: skip
     host_drafters = frozenset(name for name, d in drafters.items()
                               if d.device_chain(None, 0) < 0 and not (lookups and d.device_lookup()))

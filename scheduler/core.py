@@ -42,6 +42,7 @@ from itertools import islice
 
 from .grants import grant_drafts, hold_lookahead
 from .memory import MemoryManager, RollbackCosts, pages_for
+from .prefix_cache import CachedPrefix, PrefixCache
 from .sequence import Burst, RowSpec, SequenceState
 from .types import (Committed, Continued, Detokenizer, DoneEvent, DraftPlan, Event,
                     FinishReason, PlannedRow, Request, SeqId, StepPlan, TokensEvent)
@@ -59,10 +60,13 @@ class Scheduler:
     chunk_size: the most tokens one row feeds before its drafts (prompt chunks, replays); default token_budget.
     lookahead: positions beyond a step's tokens worth holding pages for, while nobody waits (the tokens a device
     call's later iterations may commit).
+    prefix_cache: keep finished sequences' computed state for the requests that continue them
+    (`scheduler.prefix_cache`), evicted whenever sequences need the memory.
     """
 
     def __init__(self, memory: MemoryManager, detokenizer: Callable[[], Detokenizer], *, max_model_len: int,
-                 token_budget: int, max_running: int, chunk_size: int | None = None, lookahead: int = 0):
+                 token_budget: int, max_running: int, chunk_size: int | None = None, lookahead: int = 0,
+                 prefix_cache: bool = False):
         if token_budget < 1 or max_running < 1 or max_model_len < 2:
             raise ValueError("token_budget and max_running must be >= 1, max_model_len >= 2")
         if pages_for(max_model_len, memory.page_size) > memory.usable_pages:
@@ -85,6 +89,8 @@ class Scheduler:
         self._step = 0
         self._in_flight: StepPlan | None = None
         self.faults: list[tuple[SeqId, Exception]] = []  # the last `update`'s rows whose detokenizer raised
+        self.prefix_cache = PrefixCache() if prefix_cache else None
+        self.prefix_hits = self.prefix_tokens = self.prefix_evictions = 0  # requests, tokens taken over; evictions
 
     # ---- queries -------------------------------------------------------------------------------------------
 
@@ -182,6 +188,7 @@ class Scheduler:
                 continue
             n_feed = min(seq.to_compute, self.chunk_size, budget)
             need = pages_for(seq.n_computed + n_feed, self.memory.page_size) - len(seq.pages)
+            self._evict_until(pages=need)
             while need > self.memory.free_pages and seq.running:
                 victim = max(self._running, key=lambda s: s.admitted)
                 for spec in [s for s in specs if s.seq is victim]:
@@ -202,14 +209,19 @@ class Scheduler:
 
         while self._waiting and len(self._running) < self.max_running and budget > 0:
             seq = self._waiting[0]
-            n_feed = min(seq.to_compute, self.chunk_size, budget)
-            need = pages_for(n_feed, self.memory.page_size)
-            if (self.memory.free_planes < PLANES_PER_SEQUENCE
-                    or self.memory.free_pages < need + len(self._running)):
+            cached = self.prefix_cache.match(seq.tokens) if self.prefix_cache is not None else None
+            start = len(cached.tokens) if cached else 0
+            n_feed = min(len(seq.tokens) - start, self.chunk_size, budget)
+            need = pages_for(start + n_feed, self.memory.page_size) - (len(cached.pages) if cached else 0)
+            planes = PLANES_PER_SEQUENCE - (cached is not None)
+            self._evict_until(pages=need + len(self._running), planes=planes, keep=cached)
+            if self.memory.free_planes < planes or self.memory.free_pages < need + len(self._running):
                 break
             self._waiting.popleft()
-            seq.planes = self.memory.take_planes(PLANES_PER_SEQUENCE)
-            seq.pages = self.memory.take_pages(need)
+            if cached is not None:
+                self._take_over(seq, cached)
+            seq.planes += self.memory.take_planes(planes)
+            seq.pages += self.memory.take_pages(need)
             seq.admitted = self._n_admitted
             self._n_admitted += 1
             self._running.append(seq)
@@ -344,14 +356,51 @@ class Scheduler:
         seq.pages, seq.planes = [], []
         seq.n_computed, seq.live_plane = 0, 0
 
+    def _cache(self, seq: SequenceState) -> None:
+        """Keep a finished sequence's computed state (its live plane, the pages of its computed positions) in the
+        prefix cache; `_release` returns the rest."""
+        n_pages = pages_for(seq.n_computed, self.memory.page_size)
+        entry = CachedPrefix(tuple(seq.tokens[: seq.n_computed]), seq.live_plane, tuple(seq.pages[:n_pages]))
+        seq.pages = seq.pages[n_pages:]
+        seq.planes = [p for p in seq.planes if p != seq.live_plane]
+        replaced = self.prefix_cache.put(entry)
+        if replaced is not None:
+            self._give_back(replaced)
+
+    def _take_over(self, seq: SequenceState, cached: CachedPrefix) -> None:
+        """Start a sequence from a cached prefix: its tokens computed, their plane live, their pages its own."""
+        self.prefix_cache.take(cached)
+        seq.pages, seq.planes = list(cached.pages), [cached.plane]
+        seq.n_computed, seq.live_plane = len(cached.tokens), cached.plane
+        seq.cached_tokens = len(cached.tokens)
+        self.prefix_hits += 1
+        self.prefix_tokens += len(cached.tokens)
+
+    def _evict_until(self, *, pages: int = 0, planes: int = 0, keep: CachedPrefix | None = None) -> None:
+        """Evict cached prefixes, oldest first (never `keep`), until `pages` pages and `planes` planes are free or
+        nothing else is cached."""
+        while self.prefix_cache and (self.memory.free_pages < pages or self.memory.free_planes < planes):
+            entry = self.prefix_cache.evict(keep)
+            if entry is None:
+                return
+            self._give_back(entry)
+            self.prefix_evictions += 1
+
+    def _give_back(self, entry: CachedPrefix) -> None:
+        self.memory.give_pages(entry.pages)
+        self.memory.give_planes([entry.plane])
+
     def _preempt(self, seq: SequenceState) -> None:
         self._release(seq)
+        seq.cached_tokens = 0
         self._running.remove(seq)
         seq.admitted = -1
         seq.preemptions += 1
         self._waiting.appendleft(seq)
 
     def _finish(self, seq: SequenceState, reason: FinishReason, error: str | None = None) -> DoneEvent:
+        if self.prefix_cache is not None and reason in ("stop", "length") and seq.live_plane in seq.planes:
+            self._cache(seq)
         self._release(seq)
         if seq.running:
             self._running.remove(seq)

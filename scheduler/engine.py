@@ -105,6 +105,7 @@ class Engine:
         background_warmup: bool = False,
         kv_dtype: str = "float32",
         row_buckets: tuple[int, ...] = (),
+        prefix_cache: bool = False,
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
@@ -121,13 +122,14 @@ class Engine:
         target's KV pages (the MTP head's included), "float32" or "float16" (half the bytes a page, so twice the
         positions in the same budget, and half the bytes attention reads at a long context; docs/performance.md, "A
         float16 KV cache"). row_buckets: the batch sizes the steps compile (`Shapes.row_buckets`; default: powers of
-        4)."""
+        4). prefix_cache: keep each finished sequence's computed state for a request that continues it, a
+        conversation's next turn (`scheduler.prefix_cache`)."""
         parts = assemble(model, tokenizer=tokenizer, draft_model=draft_model, extra_drafters=extra_drafters,
                          budget_bytes=budget_bytes, max_running=max_running, max_model_len=max_model_len,
                          token_budget=token_budget, chunk_size=chunk_size, page_size=page_size, n_max=n_max,
                          policy_params=policy_params, adaptive=adaptive, iterations=iterations,
                          max_call_seconds=max_call_seconds, stop_token_ids=stop_token_ids, draft_vocab=draft_vocab,
-                         kv_dtype=kv_dtype, row_buckets=row_buckets)  # fmt: skip
+                         kv_dtype=kv_dtype, row_buckets=row_buckets, prefix_cache=prefix_cache)  # fmt: skip
         self.model, self._draft_model, self.tokenizer = model, draft_model, tokenizer
         self.memory, self.scheduler, self.speculator = parts.memory, parts.scheduler, parts.speculator
         self.stop_token_ids = parts.stop_token_ids

@@ -42,6 +42,7 @@ class SequenceState:
     preemptions: int = 0
     draft_stats: dict[str, list[int]] = field(default_factory=dict)
     rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0, "replay": 0})
+    cached_tokens: int = 0  # prompt tokens its last admission took over from the prefix cache
 
     @property
     def running(self) -> bool:
@@ -106,7 +107,8 @@ class SequenceState:
             seq_id=self.request.seq_id, finish_reason=reason, prompt_tokens=len(self.request.prompt),
             completion_tokens=self.n_generated,
             drafters={name: DraftStats(d, a) for name, (d, a) in self.draft_stats.items()},
-            rollback_steps=dict(self.rollback_steps), preemptions=self.preemptions, error=error)
+            rollback_steps=dict(self.rollback_steps), preemptions=self.preemptions, error=error,
+            cached_tokens=self.cached_tokens)
 
     def append(self, result: Committed, burst: Burst, max_model_len: int) -> bool:
         """Append one verified row's tokens to the sequence and to `burst`, up to a stop; True when that finished

@@ -267,6 +267,7 @@ class DoneEvent:
     drafters: Mapping[str, DraftStats] = field(default_factory=dict)
     rollback_steps: Mapping[str, int] = field(default_factory=dict)
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens taken over from the prefix cache (`scheduler.prefix_cache`)
     error: str | None = None
 
 

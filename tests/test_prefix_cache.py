@@ -1,0 +1,84 @@
+"""The prefix cache (`scheduler.prefix_cache`): a conversation's next turn takes over the state its previous turn
+computed, and decodes exactly what a full prefill would (plain greedy), for every drafter and rollback mode, with
+conversations running at once and under a budget small enough that cached prefixes are evicted."""
+
+import anyio
+import pytest
+
+from conftest import ENGINE, plain_greedy
+from jaxmodel.requests import SpeculativeConfig
+from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
+
+USER_TURNS = ("def area(r):\n", "    return", "\n\nclass A:")
+ANSWER = 8
+
+
+async def converse(engine, first: str, tokenizer, speculative) -> list[tuple[list[int], list[int], DoneEvent]]:
+    """Three turns, each prompt the conversation so far (prompts and answers) and a new message."""
+    history, turns = [], []
+    for k, text in enumerate((first,) + USER_TURNS[1:]):
+        prompt = history + tokenizer.encode(text if k else first)
+        answer, done = [], None
+        async for event in engine.generate(GenerationRequest(tuple(prompt), ANSWER, speculative=speculative)):
+            if isinstance(event, TokensEvent):
+                answer += event.token_ids
+            else:
+                done = event
+        turns.append((prompt, answer, done))
+        history = prompt + answer
+    return turns
+
+
+def run(model, tokenizer, speculative, firsts, **engine_options):
+    async def main():
+        engine = Engine(model, tokenizer=tokenizer, prefix_cache=True, **(ENGINE | engine_options))
+        results = [None] * len(firsts)
+        async with engine:
+            async def one(i):
+                results[i] = await converse(engine, firsts[i], tokenizer, speculative)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(firsts)):
+                    tg.start_soon(one, i)
+        return engine, results
+
+    return anyio.run(main)
+
+
+def check_lossless(model, tokenizer, results):
+    for conversation in results:
+        for prompt, answer, done in conversation:
+            assert done.finish_reason in ("stop", "length"), done
+            assert answer == plain_greedy(model, prompt, ANSWER, tokenizer.eog_ids), prompt
+
+
+@pytest.mark.parametrize("drafters,rollback", [(None, None), (("ngram",), "snapshot"), (("mtp",), "checkpoint"),
+                                               (("mtp", "ngram"), "replay"), (("mtp",), "auto")])
+def test_a_next_turn_takes_over_the_last_turns_state_and_decodes_plain_greedy(model, tokenizer, drafters, rollback):
+    speculative = SpeculativeConfig(drafters, n_max=3, rollback=rollback) if drafters else None
+    engine, results = run(model, tokenizer, speculative, ["import os\n", "def f(x):\n"])
+    check_lossless(model, tokenizer, results)
+    for conversation in results:
+        for (prompt, answer, _), (_, _, done) in zip(conversation, conversation[1:]):
+            # the last turn computed its prompt and all but its last answer token
+            assert done.cached_tokens == len(prompt) + len(answer) - 1
+        assert conversation[0][2].cached_tokens == 0
+    scheduler = engine.scheduler
+    assert scheduler.prefix_hits == 4 and scheduler.prefix_evictions == 0
+    memory, cache = engine.memory, scheduler.prefix_cache
+    assert len(cache) == 2  # each conversation's last turn
+    assert memory.free_pages + cache.pages == memory.usable_pages
+    assert memory.free_planes + cache.planes == memory.usable_planes
+
+
+def test_cached_prefixes_are_evicted_when_sequences_need_the_memory(model, tokenizer):
+    """Five conversations at once in a budget of a few sequences: running and admitted sequences evict cached
+    prefixes (oldest first); the turns that still find theirs take them over, and every answer is plain greedy."""
+    firsts = ["import os\n", "def f(x):\n", "class B:\n", "x = [", "for i in"]
+    engine, results = run(model, tokenizer, SpeculativeConfig(("mtp",), n_max=3), firsts, budget_bytes=500_000,
+                          max_running=2)
+    check_lossless(model, tokenizer, results)
+    scheduler, memory, cache = engine.scheduler, engine.memory, engine.scheduler.prefix_cache
+    assert scheduler.prefix_evictions > 0 and scheduler.prefix_hits > 0
+    assert memory.free_pages + cache.pages == memory.usable_pages
+    assert memory.free_planes + cache.planes == memory.usable_planes
