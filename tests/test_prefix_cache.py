@@ -5,8 +5,10 @@ conversations running at once and under a budget small enough that cached prefix
 import anyio
 import pytest
 
-from conftest import ENGINE, plain_greedy
+from conftest import DATA, ENGINE, plain_greedy
+from jaxmodel import load_model
 from jaxmodel.requests import SpeculativeConfig
+from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
 
 USER_TURNS = ("def area(r):\n", "    return", "\n\nclass A:")
@@ -82,3 +84,12 @@ def test_cached_prefixes_are_evicted_when_sequences_need_the_memory(model, token
     assert scheduler.prefix_evictions > 0 and scheduler.prefix_hits > 0
     assert memory.free_pages + cache.pages == memory.usable_pages
     assert memory.free_planes + cache.planes == memory.usable_planes
+
+
+def test_a_qwen3next_next_turn_decodes_plain_greedy():
+    """The same on qwen3next's tiny model (grouped value heads, its own MoE layers), drafting by n-gram lookup."""
+    path = DATA / "tiny-qwen3next.gguf"
+    target, tokenizer = load_model(path), load_tokenizer(path)
+    engine, results = run(target, tokenizer, SpeculativeConfig(("ngram",), n_max=3), ["import os\n", "x = ["])
+    check_lossless(target, tokenizer, results)
+    assert engine.scheduler.prefix_hits == 4
