@@ -225,6 +225,13 @@ class Stats(Struct, frozen=True, tag="stats"):
     rss_bytes: Annotated[int, Meta(description="The server process's resident memory.")]
     weights_bytes: Annotated[int, Meta(description="The model weights' bytes in memory (the target's and the draft "
                                                    "model's); the state pools' budget comes on top.")] = 0
+    cached_prefixes: Annotated[int, Meta(description="Finished requests' states kept for the requests that "
+                                                     "continue them (--prefix-cache).")] = 0
+    cached_pages: Annotated[int, Meta(description="KV pages the prefix cache holds (not free).")] = 0
+    cached_planes: Annotated[int, Meta(description="GDN state planes the prefix cache holds (not free).")] = 0
+    prefix_hits: Annotated[int, Meta(description="Requests that took a cached state over, since start.")] = 0
+    prefix_tokens: Annotated[int, Meta(description="Prompt tokens those requests took over, since start.")] = 0
+    prefix_evictions: Annotated[int, Meta(description="Cached states evicted for memory, since start.")] = 0
 
 
 ServerMessage = Tokens | Done | Error | Stats

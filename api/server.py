@@ -175,7 +175,10 @@ class Server:
         return Stats(connections=len(self.clients), requests_running=load.running, requests_waiting=load.waiting,
                      requests_in_flight=self.n_requests, pages_free=load.pages_free, pages_total=load.pages_total,
                      planes_free=load.planes_free, planes_total=load.planes_total, steps=self.engine.steps,
-                     rss_bytes=resident_bytes(), weights_bytes=self.engine.weights_bytes)  # fmt: skip
+                     rss_bytes=resident_bytes(), weights_bytes=self.engine.weights_bytes,
+                     cached_prefixes=load.cached_prefixes, cached_pages=load.cached_pages,
+                     cached_planes=load.cached_planes, prefix_hits=load.prefix_hits, prefix_tokens=load.prefix_tokens,
+                     prefix_evictions=load.prefix_evictions)  # fmt: skip
 
     @property
     def max_requests(self) -> int:

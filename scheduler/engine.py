@@ -54,8 +54,10 @@ def freeze_heap() -> None:
 
 @dataclass(frozen=True)
 class Load:
-    """What an engine holds at a moment: sequences running and waiting, and its pools' free and usable pages and
-    planes (a `stats` request's counts; `Replicas.load` sums its engines')."""
+    """What an engine holds at a moment: sequences running and waiting, its pools' free and usable pages and
+    planes, and its prefix cache's entries, the pages and planes they hold, and its hits (requests that took a
+    cached state over), the tokens those took over, and its evictions since start (a `stats` request's counts;
+    `Replicas.load` sums its engines')."""
 
     running: int
     waiting: int
@@ -63,6 +65,12 @@ class Load:
     pages_total: int
     planes_free: int
     planes_total: int
+    cached_prefixes: int = 0
+    cached_pages: int = 0
+    cached_planes: int = 0
+    prefix_hits: int = 0
+    prefix_tokens: int = 0
+    prefix_evictions: int = 0
 
     def __add__(self, other: Load) -> Load:
         return Load(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -375,8 +383,11 @@ class Engine:
 
     def load(self) -> Load:
         memory, scheduler = self.memory, self.scheduler
+        cache = scheduler.prefix_cache
         return Load(scheduler.n_running, scheduler.n_waiting, memory.free_pages, memory.usable_pages,
-                    memory.free_planes, memory.usable_planes)
+                    memory.free_planes, memory.usable_planes, len(cache or ()), cache.pages if cache else 0,
+                    cache.planes if cache else 0, scheduler.prefix_hits, scheduler.prefix_tokens,
+                    scheduler.prefix_evictions)
 
     @property
     def n_in_flight(self) -> int:

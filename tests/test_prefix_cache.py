@@ -5,6 +5,10 @@ conversations running at once and under a budget small enough that cached prefix
 import anyio
 import pytest
 
+from api.client import Client
+from api.protocol import Defaults, Limits, ServerSettings
+from api.server import Server, listening
+from bench.prefix_cache import run_conversations
 from conftest import DATA, ENGINE, plain_greedy
 from jaxmodel import load_model
 from jaxmodel.requests import SpeculativeConfig
@@ -71,6 +75,8 @@ def test_a_next_turn_takes_over_the_last_turns_state_and_decodes_plain_greedy(mo
     assert len(cache) == 2  # each conversation's last turn
     assert memory.free_pages + cache.pages == memory.usable_pages
     assert memory.free_planes + cache.planes == memory.usable_planes
+    load = engine.load()
+    assert (load.cached_prefixes, load.cached_pages, load.cached_planes, load.prefix_hits) == (2, cache.pages, 2, 4)
 
 
 def test_cached_prefixes_are_evicted_when_sequences_need_the_memory(model, tokenizer):
@@ -93,3 +99,26 @@ def test_a_qwen3next_next_turn_decodes_plain_greedy():
     engine, results = run(target, tokenizer, SpeculativeConfig(("ngram",), n_max=3), ["import os\n", "x = ["])
     check_lossless(target, tokenizer, results)
     assert engine.scheduler.prefix_hits == 4
+
+
+def test_the_server_reports_cached_tokens_and_the_caches_counts(model, tokenizer):
+    """Over loopback: a next turn's done frame counts the prompt tokens taken over, and `stats` the cache's."""
+    settings = ServerSettings(defaults=Defaults(drafters=(), max_tokens=4),
+                              limits=Limits(max_prompt_tokens=63, max_max_tokens=64, known_drafters=("ngram", "mtp")))
+
+    async def main():
+        engine = Engine(model, tokenizer=tokenizer, prefix_cache=True, **ENGINE)
+        async with engine, listening(Server(engine, tokenizer, settings)) as (url, _):
+            turns = await run_conversations(url, tokenizer, conversations=1, turns=2, system_tokens=10,
+                                            user_tokens=5, max_tokens=4)
+            async with Client(url) as client:
+                return turns, await client.stats()
+
+    [(first, second)], stats = anyio.run(main)
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] == first["prompt_tokens"] + first["answer_tokens"] - 1
+    assert second["prefilled_tokens"] == second["prompt_tokens"] - second["cached_tokens"]
+    assert (stats.cached_prefixes, stats.cached_planes, stats.prefix_hits) == (1, 1, 1)
+    assert stats.prefix_tokens == second["cached_tokens"]
+    assert stats.pages_free + stats.cached_pages == stats.pages_total
+    assert stats.planes_free + stats.cached_planes == stats.planes_total
