@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"a conversation reaches {longest} tokens, past --max-model-len {args.max_model_len}")
 
     async def in_process() -> tuple[list[list[dict]], float]:
-        from api.protocol import Defaults, Limits, ServerSettings
+        from api.protocol import Defaults, ServerSettings
         from api.server import Server, listening
         from jaxmodel import load_model
         from scheduler import Engine
@@ -163,10 +163,9 @@ def main(argv=None) -> dict:
         warmup = time.perf_counter()
         engine.warmup()
         warmup = time.perf_counter() - warmup
-        settings_ = ServerSettings(defaults=Defaults(drafters=(), max_tokens=args.max_tokens), limits=Limits(
-            max_prompt_tokens=args.max_model_len - 1, max_max_tokens=args.max_model_len,
-            known_drafters=tuple(engine.drafters)))  # fmt: skip
-        async with engine, listening(Server(engine, tokenizer, settings_)) as (url, _):
+        # The server holds its limits to what the engine serves (`api.server.limited_to`).
+        server = Server(engine, tokenizer, ServerSettings(defaults=Defaults(drafters=(), max_tokens=args.max_tokens)))
+        async with engine, listening(server) as (url, _):
             return await run_conversations(url, tokenizer, **settings), warmup
 
     start = time.perf_counter()
