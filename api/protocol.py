@@ -231,7 +231,8 @@ class Stats(Struct, frozen=True, tag="stats"):
     cached_planes: Annotated[int, Meta(description="GDN state planes the prefix cache holds (not free).")] = 0
     prefix_hits: Annotated[int, Meta(description="Requests that took a cached state over, since start.")] = 0
     prefix_tokens: Annotated[int, Meta(description="Prompt tokens those requests took over, since start.")] = 0
-    prefix_evictions: Annotated[int, Meta(description="Cached states evicted for memory, since start.")] = 0
+    prefix_evictions: Annotated[int, Meta(description="Cached states evicted for memory or for a newer state, "
+                                                      "since start.")] = 0
 
 
 ServerMessage = Tokens | Done | Error | Stats

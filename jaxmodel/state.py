@@ -7,7 +7,7 @@ Plane 0 is the null plane (all zeros: a new sequence reads it; nobody writes it)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +162,21 @@ def read_planes(pool: jax.Array, planes: jax.Array) -> jax.Array:
     if planes.shape[0] == 1:
         return pool[jnp.concatenate([planes, jnp.zeros_like(planes)])][:1]
     return pool[planes]
+
+
+def copy_state(state: ModelState, planes: jax.Array, pages: jax.Array) -> ModelState:
+    """The state with planes and pages copied: planes [N, 2] and pages [M, 2] int32 (source, target) pairs. Every
+    source is read before any target is written; (0, 0) pairs pad (the null plane and the trash page onto
+    themselves). A plane is its conv and SSM state in every GDN layer and its hidden row; a page, its K and V in
+    every attention layer."""
+
+    def copy(pool: jax.Array, pairs: jax.Array) -> jax.Array:
+        return pool.at[pairs[:, 1]].set(pool[pairs[:, 0]])
+
+    return replace(state, k_pages=tuple(copy(k, pages) for k in state.k_pages),
+                   v_pages=tuple(copy(v, pages) for v in state.v_pages),
+                   conv=tuple(copy(c, planes) for c in state.conv), ssm=tuple(copy(h, planes) for h in state.ssm),
+                   hidden=copy(state.hidden, planes))
 
 
 def bucket(n: int, minimum: int = 1, base: int = 2) -> int:

@@ -35,17 +35,34 @@ LOOKUP_DRAFTS = 3
 # declined runs no head pass until the head drafts again, the sequence ends, or this many tokens are held. Fewer
 # where the backlog would take more than an eighth of the budget (in multiples of 16; none below 16).
 HEAD_BACKLOG_TOKENS = 256
+# States the prefix cache may keep per running sequence (`scheduler.prefix_cache`): a finished turn's end, its
+# prompt's last block, a shared system prompt's end. Fewer where they would take more than an eighth of the budget.
+PREFIX_CACHE_PLANES_PER_SEQUENCE = 3
+
+
+@dataclass(frozen=True)
+class EnginePools:
+    """How an engine spends its budget: the pools (`PoolSizes`), the tokens its MTP head's backlog holds per
+    sequence, and the planes set aside for the prefix cache (inside `sizes.n_planes`)."""
+
+    sizes: PoolSizes
+    backlog_tokens: int
+    cache_planes: int
 
 
 def engine_pools(model: Model, budget_bytes: int, *, max_running: int, n_max: int, page_size: int,
-                 kv_dtype: str) -> tuple[PoolSizes, int]:
-    """How an engine spends its budget (`pool_sizes`), and the tokens its MTP head's backlog holds per sequence:
-    planes for every sequence to snapshot a full draft but never more than half the budget, a replay pool of a
-    full draft for every row of a step, the backlog (HEAD_BACKLOG_TOKENS, fewer where it would take more than an
-    eighth of the budget), and KV pages with the rest."""
+                 kv_dtype: str, prefix_cache: bool = False) -> EnginePools:
+    """How an engine spends its budget (`pool_sizes`): planes for every sequence to snapshot a full draft but never
+    more than half the budget, the prefix cache's planes (PREFIX_CACHE_PLANES_PER_SEQUENCE per sequence, at most an
+    eighth of the budget), a replay pool of a full draft for every row of a step, the MTP head's backlog
+    (HEAD_BACKLOG_TOKENS per sequence, fewer where it would take more than an eighth of the budget), and KV pages
+    with the rest."""
     cfg = model.cfg
-    plane_bytes = bytes_per_plane(cfg)
-    planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // max(plane_bytes, 1) // max_running))
+    plane_bytes = max(bytes_per_plane(cfg), 1)
+    planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // plane_bytes // max_running))
+    cache_planes = 0
+    if prefix_cache:
+        cache_planes = min(PREFIX_CACHE_PLANES_PER_SEQUENCE * max_running, budget_bytes // 8 // plane_bytes)
     backlog_tokens = 0
     if model.has_mtp and n_max > 0:
         fitting = budget_bytes // 8 // (max_running * backlog_bytes_per_token(cfg))
@@ -57,11 +74,12 @@ def engine_pools(model: Model, budget_bytes: int, *, max_running: int, n_max: in
         page_size=page_size,
         max_running=max_running,
         planes_per_seq=planes_per_seq,
+        extra_planes=cache_planes,
         replay_tokens=n_max if cfg.gdn_layers else 0,
         replay_token_bytes=replay_bytes_per_token(cfg),
         backlog_bytes=max_running * backlog_tokens * backlog_bytes_per_token(cfg),
     )
-    return sizes, backlog_tokens
+    return EnginePools(sizes, backlog_tokens, cache_planes)
 
 
 
@@ -91,8 +109,9 @@ def assemble(model: Model, *, tokenizer, draft_model: Model | None, extra_drafte
     """An engine's parts for these settings (`Engine`'s arguments, which say what each means)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
-    sizes, backlog_tokens = engine_pools(model, budget_bytes, max_running=max_running, n_max=n_max,
-                                         page_size=page_size, kv_dtype=kv_dtype)  # fmt: skip
+    pools = engine_pools(model, budget_bytes, max_running=max_running, n_max=n_max, page_size=page_size,
+                         kv_dtype=kv_dtype, prefix_cache=prefix_cache)
+    sizes, backlog_tokens = pools.sizes, pools.backlog_tokens
     drafters = {d.name: d for d in [*standard_drafters(model, draft_model, max_seqs=max_running,
                                                        max_context=max_model_len, n_max=n_max,
                                                        page_size=page_size), *extra_drafters]}  # fmt: skip
@@ -117,7 +136,7 @@ def assemble(model: Model, *, tokenizer, draft_model: Model | None, extra_drafte
     scheduler = Scheduler(
         memory, detokenizer, max_model_len=max_model_len, token_budget=token_budget,
         max_running=max_running, chunk_size=chunk_size,
-        lookahead=iterations * (1 + n_max) + n_max if iterations > 1 else 0, prefix_cache=prefix_cache,
+        lookahead=iterations * (1 + n_max) + n_max if iterations > 1 else 0, prefix_cache_planes=pools.cache_planes,
     )  # fmt: skip
     host_drafters = frozenset(name for name, d in drafters.items()
                               if d.device_chain(None, 0) < 0 and not (lookups and d.device_lookup()))

@@ -60,13 +60,13 @@ class Scheduler:
     chunk_size: the most tokens one row feeds before its drafts (prompt chunks, replays); default token_budget.
     lookahead: positions beyond a step's tokens worth holding pages for, while nobody waits (the tokens a device
     call's later iterations may commit).
-    prefix_cache: keep finished sequences' computed state for the requests that continue them
-    (`scheduler.prefix_cache`), evicted whenever sequences need the memory.
+    prefix_cache_planes: the most states the prefix cache keeps (`scheduler.prefix_cache`; 0: no cache), evicted
+    least recently used first whenever sequences need the memory.
     """
 
     def __init__(self, memory: MemoryManager, detokenizer: Callable[[], Detokenizer], *, max_model_len: int,
                  token_budget: int, max_running: int, chunk_size: int | None = None, lookahead: int = 0,
-                 prefix_cache: bool = False):
+                 prefix_cache_planes: int = 0):
         if token_budget < 1 or max_running < 1 or max_model_len < 2:
             raise ValueError("token_budget and max_running must be >= 1, max_model_len >= 2")
         if pages_for(max_model_len, memory.page_size) > memory.usable_pages:
@@ -89,8 +89,11 @@ class Scheduler:
         self._step = 0
         self._in_flight: StepPlan | None = None
         self.faults: list[tuple[SeqId, Exception]] = []  # the last `update`'s rows whose detokenizer raised
-        self.prefix_cache = PrefixCache() if prefix_cache else None
-        self.prefix_hits = self.prefix_tokens = self.prefix_evictions = 0  # requests, tokens taken over; evictions
+        self.prefix_cache = PrefixCache(memory.page_size, prefix_cache_planes) if prefix_cache_planes > 0 else None
+        self.prefix_hits = self.prefix_tokens = self.prefix_evictions = 0  # requests, tokens taken; evictions
+        # State copies the next plan's device call makes before its rows run: (source, target) planes and pages.
+        self._plane_copies: list[tuple[int, int]] = []
+        self._page_copies: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------------------------
 
@@ -186,7 +189,9 @@ class Scheduler:
         for seq in order:
             if not seq.running or budget == 0:
                 continue
-            n_feed = min(seq.to_compute, self.chunk_size, budget)
+            if seq.save_points and seq.save_points[0] == seq.n_computed:
+                self._save(seq)
+            n_feed = min(seq.to_compute, self.chunk_size, budget, *self._until_save(seq))
             need = pages_for(seq.n_computed + n_feed, self.memory.page_size) - len(seq.pages)
             self._evict_until(pages=need)
             while need > self.memory.free_pages and seq.running:
@@ -209,19 +214,21 @@ class Scheduler:
 
         while self._waiting and len(self._running) < self.max_running and budget > 0:
             seq = self._waiting[0]
-            cached = self.prefix_cache.match(seq.tokens) if self.prefix_cache is not None else None
+            cached = self._match(seq)
             start = len(cached.tokens) if cached else 0
+            shared = cached.pages_to_share(self.memory.page_size) if cached else ()
             n_feed = min(len(seq.tokens) - start, self.chunk_size, budget)
-            need = pages_for(start + n_feed, self.memory.page_size) - (len(cached.pages) if cached else 0)
-            planes = PLANES_PER_SEQUENCE - (cached is not None)
-            self._evict_until(pages=need + len(self._running), planes=planes, keep=cached)
-            if self.memory.free_planes < planes or self.memory.free_pages < need + len(self._running):
+            need = pages_for(start + n_feed, self.memory.page_size) - len(shared)
+            self._evict_until(pages=need + len(self._running), planes=PLANES_PER_SEQUENCE, keep=cached)
+            if self.memory.free_planes < PLANES_PER_SEQUENCE or self.memory.free_pages < need + len(self._running):
                 break
             self._waiting.popleft()
+            seq.planes += self.memory.take_planes(PLANES_PER_SEQUENCE)
+            seq.pages += self.memory.share_pages(shared) + self.memory.take_pages(need)
             if cached is not None:
-                self._take_over(seq, cached)
-            seq.planes += self.memory.take_planes(planes)
-            seq.pages += self.memory.take_pages(need)
+                self._start_from(seq, cached)
+            self._plan_saves(seq)
+            n_feed = min((n_feed, *self._until_save(seq)))
             seq.admitted = self._n_admitted
             self._n_admitted += 1
             self._running.append(seq)
@@ -230,7 +237,10 @@ class Scheduler:
 
         for spec in specs:
             spec.seq.last_served = self._step
-        plan = StepPlan(self._step, tuple(spec.planned_row() for spec in specs))
+        plan = StepPlan(self._step, tuple(spec.planned_row() for spec in specs), tuple(self._plane_copies),
+                        tuple(self._page_copies))
+        self._plane_copies.clear()
+        self._page_copies.clear()
         self._in_flight = plan if plan.rows else None
         return plan
 
@@ -304,6 +314,7 @@ class Scheduler:
         Also valid after `update` raised part way: sequences it already finished are gone and give no event."""
         self._check_in_flight(plan)
         self._in_flight = None
+        self.clear_prefix_cache()  # the step may have left the state it copied into the cache unwritten
         events: list[Event] = []
         for row in plan.rows:
             seq = self._seqs.get(row.seq_id)
@@ -314,7 +325,13 @@ class Scheduler:
     def fail_all(self, error: str) -> list[Event]:
         """Every live sequence ends with done(error): for a failure no step in flight accounts for."""
         self._in_flight = None
+        self.clear_prefix_cache()
         return [self._finish(seq, "error", error) for seq in list(self._seqs.values())]
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix, giving back what it holds."""
+        while self.prefix_cache:
+            self._drop(self.prefix_cache.least_recent())
 
     # ---- internals -----------------------------------------------------------------------------------------
 
@@ -356,39 +373,96 @@ class Scheduler:
         seq.pages, seq.planes = [], []
         seq.n_computed, seq.live_plane = 0, 0
 
-    def _cache(self, seq: SequenceState) -> None:
-        """Keep a finished sequence's computed state (its live plane, the pages of its computed positions) in the
-        prefix cache; `_release` returns the rest."""
-        n_pages = pages_for(seq.n_computed, self.memory.page_size)
-        entry = CachedPrefix(tuple(seq.tokens[: seq.n_computed]), seq.live_plane, tuple(seq.pages[:n_pages]))
-        seq.pages = seq.pages[n_pages:]
-        seq.planes = [p for p in seq.planes if p != seq.live_plane]
-        replaced = self.prefix_cache.put(entry)
-        if replaced is not None:
-            self._give_back(replaced)
+    # ---- the prefix cache (`scheduler.prefix_cache`) -----------------------------------------------------------
 
-    def _take_over(self, seq: SequenceState, cached: CachedPrefix) -> None:
-        """Start a sequence from a cached prefix: its tokens computed, their plane live, their pages its own."""
-        self.prefix_cache.take(cached)
-        seq.pages, seq.planes = list(cached.pages), [cached.plane]
-        seq.n_computed, seq.live_plane = len(cached.tokens), cached.plane
+    def _match(self, seq: SequenceState) -> CachedPrefix | None:
+        """The longest cached prefix a waiting sequence's tokens extend."""
+        if self.prefix_cache is None:
+            return None
+        return self.prefix_cache.match(seq.tokens, seq.hashes(self.memory.page_size))
+
+    def _start_from(self, seq: SequenceState, cached: CachedPrefix) -> None:
+        """A just-admitted sequence (its planes taken, the shared pages first among its pages) starts after `cached`:
+        its first plane and the page after the shared ones become copies of the entry's."""
+        n_shared = len(cached.pages_to_share(self.memory.page_size))
+        # A prefix cached in this very plan (its copy not made yet) is copied from where its own copy reads.
+        source = next((src for src, dst in self._plane_copies if dst == cached.plane), cached.plane)
+        self._plane_copies.append((source, seq.planes[0]))
+        self._page_copies.append((cached.pages[n_shared], seq.pages[n_shared]))
+        seq.n_computed, seq.live_plane = len(cached.tokens), seq.planes[0]
         seq.cached_tokens = len(cached.tokens)
         self.prefix_hits += 1
         self.prefix_tokens += len(cached.tokens)
 
+    def _plan_saves(self, seq: SequenceState) -> None:
+        """Where a just-admitted sequence keeps its state for later requests, past what it starts with: the end of
+        the longest run of blocks its prompt shares with an earlier one, and the end of its prompt's last block
+        before the prompt's last token; then its prompt's blocks are noted for later prompts."""
+        seq.save_points = []
+        if self.prefix_cache is None:
+            return
+        page_size = self.memory.page_size
+        hashes = seq.hashes(page_size)[: (len(seq.request.prompt) - 1) // page_size]
+        points = {self.prefix_cache.shared_blocks(hashes) * page_size, len(hashes) * page_size}
+        seq.save_points = sorted(p for p in points if seq.n_computed < p < len(seq.request.prompt))
+        self.prefix_cache.note(hashes)
+
+    def _until_save(self, seq: SequenceState) -> tuple[int, ...]:
+        """Tokens the sequence may feed before its next save point (none when it has no save point ahead)."""
+        return (seq.save_points[0] - seq.n_computed,) if seq.save_points else ()
+
+    def _save(self, seq: SequenceState) -> None:
+        """Keep a running sequence's state at its next save point, which it has just computed up to (a copy of its
+        live plane, made before this step's rows run; a share of its pages). Skipped when cached already, or when
+        no plane is free."""
+        point = seq.save_points.pop(0)
+        tokens = tuple(seq.tokens[:point])
+        cache = self.prefix_cache
+        if tokens in cache:
+            return
+        if cache.full:
+            self._evict(cache.least_recent())
+        if not self.memory.free_planes:
+            return
+        plane = self.memory.take_planes(1)[0]
+        self._plane_copies.append((seq.live_plane, plane))
+        pages = self.memory.share_pages(seq.pages[: pages_for(point, self.memory.page_size)])
+        cache.put(CachedPrefix(tokens, plane, tuple(pages)))
+
+    def _cache_finished(self, seq: SequenceState) -> None:
+        """Keep a finished sequence's computed state: its live plane and its pages of computed positions move to the
+        cache; `_release` returns the rest."""
+        tokens = tuple(seq.tokens[: seq.n_computed])
+        cache = self.prefix_cache
+        if tokens in cache:
+            return
+        if cache.full:
+            self._evict(cache.least_recent())
+        n_pages = pages_for(seq.n_computed, self.memory.page_size)
+        cache.put(CachedPrefix(tokens, seq.live_plane, tuple(seq.pages[:n_pages])))
+        seq.pages = seq.pages[n_pages:]
+        seq.planes = [p for p in seq.planes if p != seq.live_plane]
+
     def _evict_until(self, *, pages: int = 0, planes: int = 0, keep: CachedPrefix | None = None) -> None:
-        """Evict cached prefixes, oldest first (never `keep`), until `pages` pages and `planes` planes are free or
-        nothing else is cached."""
+        """Evict cached prefixes, least recently used first (never `keep`), until `pages` pages and `planes` planes
+        are free or nothing else is cached."""
         while self.prefix_cache and (self.memory.free_pages < pages or self.memory.free_planes < planes):
-            entry = self.prefix_cache.evict(keep)
+            entry = self.prefix_cache.least_recent(keep)
             if entry is None:
                 return
-            self._give_back(entry)
-            self.prefix_evictions += 1
+            self._evict(entry)
 
-    def _give_back(self, entry: CachedPrefix) -> None:
+    def _evict(self, entry: CachedPrefix) -> None:
+        self._drop(entry)
+        self.prefix_evictions += 1
+
+    def _drop(self, entry: CachedPrefix) -> None:
+        self.prefix_cache.remove(entry)
+        self._plane_copies = [(src, dst) for src, dst in self._plane_copies if dst != entry.plane]
         self.memory.give_pages(entry.pages)
         self.memory.give_planes([entry.plane])
+
+    # ---- ending --------------------------------------------------------------------------------------------
 
     def _preempt(self, seq: SequenceState) -> None:
         self._release(seq)
@@ -400,7 +474,7 @@ class Scheduler:
 
     def _finish(self, seq: SequenceState, reason: FinishReason, error: str | None = None) -> DoneEvent:
         if self.prefix_cache is not None and reason in ("stop", "length") and seq.live_plane in seq.planes:
-            self._cache(seq)
+            self._cache_finished(seq)
         self._release(seq)
         if seq.running:
             self._running.remove(seq)

@@ -75,9 +75,10 @@ class PoolSizes:
 
 def pool_sizes(total_bytes: int, *, page_bytes: int, plane_bytes: int, page_size: int, max_running: int,
                planes_per_seq: int = 2, replay_tokens: int = 0, replay_token_bytes: int = 0,
-               backlog_bytes: int = 0) -> PoolSizes:
+               backlog_bytes: int = 0, extra_planes: int = 0) -> PoolSizes:
     """Spend `total_bytes` on the replay pool (max_running rows of replay_tokens tokens, replay_token_bytes each),
-    the MTP head's backlog (backlog_bytes), 1 + max_running * planes_per_seq planes and the rest on KV pages.
+    the MTP head's backlog (backlog_bytes), 1 + max_running * planes_per_seq + extra_planes planes and the rest on
+    KV pages.
 
     page_bytes / plane_bytes: bytes of one KV page (all attention layers, K and V) and one GDN plane (all GDN
     layers, conv and recurrent state); `jaxmodel.state` computes both from a model config, and a token's replay
@@ -86,7 +87,7 @@ def pool_sizes(total_bytes: int, *, page_bytes: int, plane_bytes: int, page_size
     """
     if planes_per_seq < 2:
         raise ValueError(f"planes_per_seq must be >= 2, got {planes_per_seq}")
-    n_planes = 1 + max_running * planes_per_seq
+    n_planes = 1 + max_running * planes_per_seq + extra_planes
     replay_bytes = max_running * replay_tokens * replay_token_bytes
     n_pages = (total_bytes - replay_bytes - backlog_bytes - n_planes * plane_bytes) // page_bytes
     if n_pages < 2:
@@ -453,14 +454,18 @@ def decide_drafts(candidates: Sequence[DraftCandidate], *, token_budget: int, fr
 
 
 class MemoryManager:
-    """Owns the free lists of pages and planes; grants and takes them back, refusing double frees."""
+    """Owns the free lists of pages and planes; grants and takes them back, refusing double frees.
+
+    A page may be shared (`share_pages`): it holds the KV of positions every holder has computed alike (the prefix
+    cache's blocks), and returns to the free list when its last holder gives it back. Planes are never shared.
+    """
 
     def __init__(self, sizes: PoolSizes):
         self.sizes = sizes
         # Lowest ids are handed out first (pop from the end), which keeps traces readable.
         self._free_pages = list(range(sizes.n_pages - 1, 0, -1))
         self._free_planes = list(range(sizes.n_planes - 1, 0, -1))
-        self._pages_out: set[int] = set()
+        self._page_holders: dict[int, int] = {}  # page -> how many hold it
         self._planes_out: set[int] = set()
 
     @property
@@ -489,20 +494,54 @@ class MemoryManager:
         return self.sizes.n_planes - 1
 
     def take_pages(self, n: int) -> list[int]:
-        """n free pages; ValueError when fewer are free."""
-        return self._take(self._free_pages, self._pages_out, n, "pages")
+        """n free pages, each with one holder; ValueError when fewer are free."""
+        if n > len(self._free_pages):
+            raise ValueError(f"{n} pages wanted, {len(self._free_pages)} free")
+        taken = [self._free_pages.pop() for _ in range(n)]
+        self._page_holders.update(dict.fromkeys(taken, 1))
+        return taken
+
+    def share_pages(self, pages: Iterable[int]) -> list[int]:
+        """One more holder for each of `pages` (held already); returns them."""
+        pages = list(pages)
+        for page in pages:
+            if page not in self._page_holders:
+                raise ValueError(f"page {page} shared but not handed out")
+        for page in pages:
+            self._page_holders[page] += 1
+        return pages
+
+    def holders(self, page: int) -> int:
+        """How many hold `page` (0: free)."""
+        return self._page_holders.get(page, 0)
 
     def take_planes(self, n: int) -> list[int]:
         """n free planes; ValueError when fewer are free."""
-        return self._take(self._free_planes, self._planes_out, n, "planes")
+        if n > len(self._free_planes):
+            raise ValueError(f"{n} planes wanted, {len(self._free_planes)} free")
+        taken = [self._free_planes.pop() for _ in range(n)]
+        self._planes_out.update(taken)
+        return taken
 
     def give_pages(self, pages: Iterable[int]) -> None:
-        """Return pages to the pool."""
-        self._give(self._free_pages, self._pages_out, pages, "page")
+        """One holder fewer for each of `pages`; a page nobody holds returns to the pool."""
+        for page in pages:
+            held = self._page_holders.get(page)
+            if held is None:
+                raise ValueError(f"page {page} returned but not handed out")
+            if held > 1:
+                self._page_holders[page] = held - 1
+            else:
+                del self._page_holders[page]
+                self._free_pages.append(page)
 
     def give_planes(self, planes: Iterable[int]) -> None:
         """Return planes to the pool."""
-        self._give(self._free_planes, self._planes_out, planes, "plane")
+        for plane in planes:
+            if plane not in self._planes_out:
+                raise ValueError(f"plane {plane} returned but not handed out")
+            self._planes_out.remove(plane)
+            self._free_planes.append(plane)
 
     def decide_drafts(self, candidates: Sequence[DraftCandidate], token_budget: int, reserve_planes: int = 0,
                       costs: RollbackCosts = RollbackCosts()) -> tuple[DraftDecision, ...]:
@@ -510,19 +549,3 @@ class MemoryManager:
         return decide_drafts(candidates, token_budget=token_budget, free_pages=self.free_pages,
                              free_planes=max(0, self.free_planes - reserve_planes), page_size=self.page_size,
                              replay_tokens=self.sizes.replay_tokens, costs=costs)
-
-    @staticmethod
-    def _take(free: list[int], out: set[int], n: int, what: str) -> list[int]:
-        if n > len(free):
-            raise ValueError(f"{n} {what} wanted, {len(free)} free")
-        taken = [free.pop() for _ in range(n)]
-        out.update(taken)
-        return taken
-
-    @staticmethod
-    def _give(free: list[int], out: set[int], items: Iterable[int], what: str) -> None:
-        for x in items:
-            if x not in out:
-                raise ValueError(f"{what} {x} returned but not handed out")
-            out.remove(x)
-            free.append(x)

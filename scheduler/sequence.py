@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .prefix_cache import chain_hashes
 from .stops import scan_stop_strings
 from .types import (UNNAMED_DRAFTER, Committed, Continued, Detokenizer, DoneEvent, DraftStats, FinishReason, Mode,
                     PlannedRow, Request)
@@ -42,7 +43,9 @@ class SequenceState:
     preemptions: int = 0
     draft_stats: dict[str, list[int]] = field(default_factory=dict)
     rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0, "replay": 0})
-    cached_tokens: int = 0  # prompt tokens its last admission took over from the prefix cache
+    cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache
+    save_points: list[int] = field(default_factory=list)  # positions whose state goes to the prefix cache, ascending
+    block_hashes: list[int] = field(default_factory=list)  # `prefix_cache.chain_hashes` of its tokens, as far as known
 
     @property
     def running(self) -> bool:
@@ -51,6 +54,12 @@ class SequenceState:
     @property
     def to_compute(self) -> int:
         return len(self.tokens) - self.n_computed
+
+    def hashes(self, page_size: int) -> list[int]:
+        """The chain hash after each full block of its tokens (`prefix_cache.chain_hashes`)."""
+        if len(self.block_hashes) < len(self.tokens) // page_size:
+            self.block_hashes = chain_hashes(self.tokens, page_size, self.block_hashes)
+        return self.block_hashes
 
     def planned_row(self, n_feed: int, draft_max: int, mode: Mode | None, optimistic: bool) -> PlannedRow:
         """The row feeding the next n_feed tokens, with room for draft_max drafts in `mode`."""

@@ -93,6 +93,8 @@ class Speculator:
         iterations = self._call_iterations(plan, quiet)
         rows = [self._isolated_step_row(row, len(plan.rows), iterations > 1, choices.get(row.seq_id, ()))
                 for row in plan.rows]
+        if plan.plane_copies or plan.page_copies:
+            self.runtime.copy(plan.plane_copies, plan.page_copies)
         start = time.perf_counter()
         results = self._run(rows, iterations)
         if all(isinstance(result, RowResult) for result in results):

@@ -166,6 +166,11 @@ class StepPlan:
 
     step: int
     rows: tuple[PlannedRow, ...]
+    # State the step's device call copies before its rows run, (source, target) pairs, every source read before any
+    # target is written: cached prefixes into the planes and pages of the sequences starting from them, and states
+    # kept for the prefix cache (`scheduler.prefix_cache`).
+    plane_copies: tuple[tuple[int, int], ...] = ()
+    page_copies: tuple[tuple[int, int], ...] = ()
 
     def row(self, seq_id: SeqId) -> PlannedRow:
         """The row of `seq_id` (KeyError when the sequence is not in this step)."""
@@ -196,7 +201,7 @@ class StepPlan:
                 raise ValueError(f"sequence {r.seq_id!r}: {len(tokens)} drafts, at most {r.draft_max} allowed")
             name = (drafters or {}).get(r.seq_id, UNNAMED_DRAFTER) if tokens else None
             rows.append(replace(r, drafts=tokens, drafter=name))
-        return StepPlan(self.step, tuple(rows))
+        return replace(self, rows=tuple(rows))
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,11 @@ class FakeModel:
         """seq_id -> greedy tokens at the row's logit_rows. Replay rows keep the state after each token for
         `rebuild`."""
         check_plan(plan, self.page_size)
+        assert all(src in self.planes for src, _ in plan.plane_copies), "copies a plane nobody wrote"
+        planes = {dst: self.planes[src] for src, dst in plan.plane_copies}
+        pages = {dst: dict(self.kv[src]) for src, dst in plan.page_copies}
+        self.planes.update(planes)
+        self.kv.update(pages)
         writes, out = {}, {}
         self.after = {}
         for row in plan.rows:
@@ -132,8 +137,12 @@ def check_plan(plan: StepPlan, page_size: int) -> None:
     """Structural invariants every plan must keep."""
     ids = [r.seq_id for r in plan.rows]
     assert len(ids) == len(set(ids))
-    pages = [p for r in plan.rows for p in r.pages]
-    assert len(pages) == len(set(pages)) and 0 not in pages, "rows share KV pages or use the trash page"
+    # Rows share no page they write (the prefix cache's shared pages hold positions before their starts).
+    written_pages = [{r.pages[p // page_size] for p in r.positions} for r in plan.rows]
+    for i, r in enumerate(plan.rows):
+        assert 0 not in r.pages, "the trash page"
+        others = {p for j, o in enumerate(plan.rows) if j != i for p in o.pages}
+        assert not written_pages[i] & others, "a row writes a page another row holds"
     written = [w for r in plan.rows for w in r.write_planes if w >= 0]
     assert len(written) == len(set(written)) and 0 not in written, "a plane written twice or the null plane"
     assert not set(written) & {r.read_plane for r in plan.rows}, "a plane read and written in one step"
@@ -185,7 +194,8 @@ class Run:
     sched: Scheduler
 
 
-def simulate(sc: Scenario, sched: Scheduler, *, max_steps: int = 3000, script: dict | None = None) -> Run:
+def simulate(sc: Scenario, sched: Scheduler, *, max_steps: int = 3000, script: dict | None = None,
+             on_plan=None) -> Run:
     """Drive the scheduler like the engine does, with the fake model, drafter and greedy verification."""
     rng = random.Random(sc.seed)
     model = FakeModel(sched.memory.page_size, script)
@@ -221,6 +231,8 @@ def simulate(sc: Scenario, sched: Scheduler, *, max_steps: int = 3000, script: d
                     drafts[row.seq_id] = [(t + rng.randrange(1, V)) % V if rng.random() < q else t for t in true]
             plan = plan.with_drafts(drafts, {sid: "fake" for sid in drafts})
             plans.append(plan)
+            if on_plan is not None:
+                on_plan(plan)
             targets = model.run(plan, prompts)
             for sid, (at, mid) in sc.aborts.items():
                 if at == step and mid:
@@ -256,17 +268,20 @@ def check_events(run: Run, sc: Scenario) -> None:
         for e in evs[:-1]:
             assert isinstance(e, TokensEvent) and (e.token_ids or e.text)
             assert 0 <= e.n_from_drafts <= len(e.token_ids)
-    mem = run.sched.memory
+    mem, cache = run.sched.memory, run.sched.prefix_cache
+    if cache is not None:  # what the cache holds is all that is not free, and comes back when it is dropped
+        assert (mem.free_pages + cache.pages, mem.free_planes + cache.planes) == (mem.usable_pages, mem.usable_planes)
+        run.sched.clear_prefix_cache()
     assert (mem.free_pages, mem.free_planes) == (mem.usable_pages, mem.usable_planes)
     assert not run.sched.has_work
 
 
 def make_scheduler(*, n_pages=64, n_planes=40, page_size=4, max_model_len=40, token_budget=48, max_running=8,
-                   chunk_size=None, replay_tokens=6) -> Scheduler:
+                   chunk_size=None, replay_tokens=6, prefix_cache_planes=0) -> Scheduler:
     mem = MemoryManager(PoolSizes(n_pages=n_pages, n_planes=n_planes, page_size=page_size,
                                   replay_tokens=replay_tokens))
     return Scheduler(mem, TableDetokenizer, max_model_len=max_model_len, token_budget=token_budget,
-                     max_running=max_running, chunk_size=chunk_size)
+                     max_running=max_running, chunk_size=chunk_size, prefix_cache_planes=prefix_cache_planes)
 
 
 def random_scenario(seed: int, n: int, *, rollback=None, corruption=None, abort_share=0.0) -> Scenario:
@@ -754,3 +769,74 @@ def test_misuse_is_refused():
         sched.update(plan, {})
     with pytest.raises(ValueError):
         Committed((1, 2), 0)
+
+
+# ---- the prefix cache --------------------------------------------------------------------------------------
+
+
+def shared_prefix_scenario(seed: int, n: int, max_model_len: int, *, abort_share: float = 0.0) -> Scenario:
+    """Requests starting with one of a few shared prefixes (system prompts), and later turns of earlier requests:
+    an earlier prompt, what it decodes alone, and a new message."""
+    rng = random.Random(seed)
+    prefixes = [tuple(rng.randrange(1, V) for _ in range(rng.randint(3, 14))) for _ in range(3)]
+    reqs, arrivals, aborts, corr = [], {}, {}, {}
+    for i in range(n):
+        sid = f"s{i}"
+        earlier = [r for r in reqs if len(r.prompt) + r.max_tokens + 3 < max_model_len - 4]
+        if earlier and rng.random() < 0.4:
+            before = rng.choice(earlier)
+            answer = continuation(before.prompt, before.max_tokens)
+            prompt = before.prompt + tuple(answer[: rng.randint(0, len(answer))])
+        else:
+            prompt = rng.choice(prefixes)
+        prompt += tuple(rng.randrange(1, V) for _ in range(rng.randint(1, 4)))
+        reqs.append(Request(sid, prompt, max_tokens=rng.randint(1, max(1, min(8, max_model_len - len(prompt) - 1))),
+                            speculative=spec(rng.choice([0, 2, 4]),
+                                             rng.choice(["auto", "snapshot", "checkpoint", "replay"]))))
+        arrivals[sid] = i + rng.randint(0, 6)
+        corr[sid] = rng.choice([0.0, 0.3, 1.0])
+        if rng.random() < abort_share:
+            aborts[sid] = (arrivals[sid] + rng.randint(0, 6), rng.random() < 0.5)
+    return Scenario(reqs, arrivals, aborts, corr, seed)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), page_size=st.sampled_from([2, 4]), extra_pages=st.integers(0, 30),
+       n_planes=st.integers(3, 24), cache_planes=st.integers(1, 8), max_running=st.integers(1, 6),
+       chunk_size=st.sampled_from([None, 3, 8]), abort_share=st.sampled_from([0.0, 0.2]))
+def test_lossless_with_the_prefix_cache(seed, page_size, extra_pages, n_planes, cache_planes, max_running, chunk_size,
+                                        abort_share):
+    """Requests sharing prefixes start from cached states (copied planes, shared pages) and decode what they would
+    alone, under every rollback mode, with preemptions, evictions and aborts; the memory all comes back."""
+    max_model_len = 32
+    sc = shared_prefix_scenario(seed, 18, max_model_len, abort_share=abort_share)
+    sched = make_scheduler(n_pages=1 + pages_for(max_model_len, page_size) + extra_pages,
+                           n_planes=n_planes + cache_planes, page_size=page_size, max_model_len=max_model_len,
+                           token_budget=24, max_running=max_running, chunk_size=chunk_size,
+                           prefix_cache_planes=cache_planes)
+    run = simulate(sc, sched)
+    check_events(run, sc)
+
+
+def test_a_shared_prefix_is_computed_twice_then_shared():
+    """The first request keeps its prompt's last block; the second, sharing two blocks with it, keeps the state at
+    their end; the third starts there, sharing those blocks' pages with the second while both run, and copying the
+    page of the boundary's last position."""
+    system = (5, 6, 7, 8, 9, 10, 11, 12, 13)  # two blocks of 4 and one token
+    sched = make_scheduler(n_pages=40, n_planes=20, page_size=4, max_model_len=40, prefix_cache_planes=4)
+    reqs = [Request("a", system + (1, 2, 3, 4), max_tokens=3), Request("b", system + (3,), max_tokens=12),
+            Request("c", system + (4, 4), max_tokens=3)]
+    sc = Scenario(reqs, {"a": 0, "b": 6, "c": 14})
+    seen, running = {}, {}
+
+    def watch(plan):
+        for row in plan.rows:
+            seen.setdefault(row.seq_id, (row.start, row.pages))
+            running.setdefault(row.seq_id, {"a", "b"} & {r.seq_id for r in plan.rows})
+    run = simulate(sc, sched, on_plan=watch)
+    check_events(run, sc)
+    done = {sid: evs[-1] for sid, evs in run.events.items()}
+    assert (done["a"].cached_tokens, done["b"].cached_tokens, done["c"].cached_tokens) == (0, 0, 8)
+    assert seen["c"][0] == 8
+    assert seen["c"][1][0] == seen["b"][1][0] and seen["c"][1][1] != seen["b"][1][1]  # block 1 shared, 2 copied
+    assert sched.prefix_hits == 1 and running["c"] == {"b"}

@@ -20,7 +20,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model import Model, rebuild
 from ..speculative import draft_chain, later_width, speculative_step
-from ..state import Row, StepOutput, bucket, bytes_per_plane, pack_batch
+from ..state import Row, StepOutput, bucket, bytes_per_plane, copy_state, pack_batch
 from .call_inputs import backlog_inputs, loop_inputs, replay_inputs, step_inputs
 from .costs import StepCosts
 from .host_io import PackedCall
@@ -32,6 +32,8 @@ from .shapes import LOOP_MAX_TOKENS, Shapes, chunk_calls
 # pays. Well below it a pass costs mostly its fixed launch overhead, and one pass of all rows is cheaper
 # (docs/design.md "Rollback", with the measurements).
 PER_ROW_REBUILD_MIN_BYTES = 4 << 20
+
+_copy_state = jax.jit(copy_state, donate_argnames="state")
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,6 +138,17 @@ class Runtime:
     def release_backlog(self, slot: int) -> None:
         """Forget what a backlog slot holds (its sequence ended; its positions' head KV is no longer wanted)."""
         self.backlog_held[slot] = 0
+
+    def copy(self, planes: Sequence[tuple[int, int]], pages: Sequence[tuple[int, int]]) -> None:
+        """Copy planes and pages, (source, target) pairs (`jaxmodel.state.copy_state`); every source is read before
+        any target is written. Padded to a few compiled counts."""
+        def padded(pairs: Sequence[tuple[int, int]]) -> np.ndarray:
+            out = np.zeros((bucket(len(pairs), minimum=4), 2), np.int32)
+            if pairs:
+                out[: len(pairs)] = pairs
+            return out
+
+        self.state = _copy_state(self.state, padded(planes), padded(pages))
 
     def _pack(self, rows: Sequence[Row], prefill_only: bool):
         """The padded batch, and whether it runs as final-only (long prefill-only steps)."""
