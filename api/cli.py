@@ -99,10 +99,11 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", choices=["float32", "float16"], default="float32",
                    help="the target's KV cache: float16 holds twice the positions in the same budget and reads "
                         "half the bytes at a long context")
-    p.add_argument("--prefix-cache", action="store_true",
-                   help="keep each finished request's computed state (GDN plane, KV pages) inside --budget-mb for "
-                        "a request that continues it, a conversation's next turn, which then prefills only its new "
-                        "tokens; evicted oldest first when running requests need the memory")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep computed states (GDN planes at block boundaries and finished turns' ends, shared KV "
+                        "pages) inside --budget-mb for the requests that start with them: a conversation's next "
+                        "turn, a shared system prompt; evicted least recently used first when running requests "
+                        "need the memory (--no-prefix-cache: off)")
 
 
 def _policy_options(p: argparse.ArgumentParser) -> None:

@@ -10,16 +10,20 @@ text into them), so every turn's prompt extends the last one's exactly.
     gdnspec bench prefix-cache --conversations 8 --turns 6 --system-tokens 1024 \\
         --out bench/results/prefix-cache-cpu.json --plot bench/results/prefix-cache-cpu.png
     gdnspec bench prefix-cache --url ws://127.0.0.1:8000 --model M    # a running server (M: its tokenizer)
+    gdnspec bench prefix-cache --llama-server http://127.0.0.1:8080 --model M    # llama.cpp's, on the same file
 
-In-process (no --url) it serves the model itself over loopback with the settings below (`--prefix-cache` for the
-engine's prefix cache). Per turn the JSON holds the client's and the server's time to first token, the prompt's
-tokens and those the server took over from its prefix cache (the done frame's `usage.cached_tokens`), so prefilled =
-prompt - cached.
+In-process (no --url) it serves the model itself over loopback with the settings below (`--no-prefix-cache` turns
+the engine's prefix cache off). Per turn the JSON holds the client's and the server's time to first token, the
+prompt's tokens and those the server took from its prefix cache (the done frame's `usage.cached_tokens`), so
+prefilled = prompt - cached. Against llama-server the turns go to its `/completion` endpoint with `cache_prompt`
+(its slots keep their last prompt's state, and its context checkpoints and host prompt cache keep more), and the
+cached and prefilled tokens are its own count (`timings.cache_n`, `timings.prompt_n`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -74,15 +78,56 @@ async def converse(client: Client, system: list[int], users: list[list[int]], ma
     return turns
 
 
+async def converse_llama(http, url: str, system: list[int], users: list[list[int]], max_tokens: int) -> list[dict]:
+    """`converse` against llama-server: its `/completion` endpoint, streamed, greedy, with `cache_prompt`."""
+    history = list(system)
+    turns = []
+    for k, user in enumerate(users):
+        prompt = history + user
+        body = {"prompt": prompt, "n_predict": max_tokens, "temperature": 0.0, "cache_prompt": True, "stream": True,
+                "return_tokens": True}
+        start = time.perf_counter()
+        first, answer, final = None, [], {}
+        async with http.stream("POST", f"{url}/completion", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if chunk.get("tokens"):
+                    first = first if first is not None else time.perf_counter() - start
+                    answer.extend(chunk["tokens"])
+                if chunk.get("stop"):
+                    final = chunk
+        timings = final.get("timings", {})
+        cached, prefilled = timings.get("cache_n", 0), timings.get("prompt_n", len(prompt))
+        turns.append({"turn": k + 1, "prompt_tokens": len(prompt), "cached_tokens": cached,
+                      "prefilled_tokens": prefilled, "answer_tokens": len(answer),
+                      "ttft_ms": None if first is None else first * 1e3, "server_ttft_ms": timings.get("prompt_ms"),
+                      "total_ms": (time.perf_counter() - start) * 1e3})  # fmt: skip
+        history = prompt + answer
+    return turns
+
+
 async def run_conversations(url: str, tokenizer, *, conversations: int, turns: int, system_tokens: int,
-                            user_tokens: int, max_tokens: int) -> list[list[dict]]:
-    """Every conversation's turns, run at once over one connection."""
+                            user_tokens: int, max_tokens: int, llama_server: bool = False) -> list[list[dict]]:
+    """Every conversation's turns, run at once over one connection (llama_server: `url` is llama-server's)."""
     system = corpus_ids(tokenizer, system_tokens, 0)
     results: list[list[dict]] = [[] for _ in range(conversations)]
-    async with Client(url) as client:
+    if llama_server:
+        import httpx2
+
+        # A new connection per request: llama-server may close one kept alive as the client reuses it.
+        client = httpx2.AsyncClient(timeout=httpx2.Timeout(600.0), limits=httpx2.Limits(max_keepalive_connections=0))
+    else:
+        client = Client(url)
+    async with client:
         async def one(c: int) -> None:
             users = [corpus_ids(tokenizer, user_tokens, 7919 * (c * turns + k + 1)) for k in range(turns)]
-            results[c] = await converse(client, system, users, max_tokens)
+            if llama_server:
+                results[c] = await converse_llama(client, url.rstrip("/"), system, users, max_tokens)
+            else:
+                results[c] = await converse(client, system, users, max_tokens)
 
         async with anyio.create_task_group() as tg:
             for c in range(conversations):
@@ -130,6 +175,8 @@ def plot(summary: list[dict], path: str, title: str) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a running server (default: serve --model in-process)")
+    parser.add_argument("--llama-server", default=None, metavar="URL",
+                        help="a running llama-server (http://host:port) serving --model, in place of this server")
     parser.add_argument("--model", default=None, help="the GGUF served (its tokenizer cuts the prompts)")
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
@@ -138,8 +185,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=48, help="each answer's tokens at most")
     parser.add_argument("--budget-mb", type=float, default=256, help="in-process: the engine's memory budget")
     parser.add_argument("--max-model-len", type=int, default=4096, help="in-process: positions per sequence")
-    parser.add_argument("--prefix-cache", action="store_true", help="in-process: the engine keeps finished "
-                        "requests' state for the requests that continue them (`scheduler.prefix_cache`)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="in-process: the engine's prefix cache (`scheduler.prefix_cache`)")
     parser.add_argument("--out", default=None, help="write JSON results here")
     parser.add_argument("--plot", default=None, help="write a PNG of time to first token per turn here")
     args = parser.parse_args(argv)
@@ -169,12 +216,17 @@ def main(argv=None) -> dict:
             return await run_conversations(url, tokenizer, **settings), warmup
 
     start = time.perf_counter()
-    if args.url:
+    if args.llama_server:
+        results = anyio.run(lambda: run_conversations(args.llama_server, tokenizer, llama_server=True, **settings))
+        warmup = None
+    elif args.url:
         results, warmup = anyio.run(lambda: run_conversations(args.url, tokenizer, **settings)), None
     else:
         results, warmup = anyio.run(in_process)
     summary = summarize(results)
-    out = {"model": os.path.basename(model_path), "url": args.url, "backend": jax.default_backend(),
+    out = {"model": os.path.basename(model_path), "url": args.url, "llama_server": args.llama_server,
+           "prefix_cache": None if args.url or args.llama_server else args.prefix_cache,
+           "backend": jax.default_backend(),
            "machine": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(), **settings,
            "warmup_seconds": warmup, "wall_seconds": time.perf_counter() - start, "turns_summary": summary,
            "conversations_turns": results}  # fmt: skip

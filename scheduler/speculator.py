@@ -126,6 +126,8 @@ class Speculator:
     def shapes_to_compile(self) -> Iterator[object]:
         """The runtime's and the drafters' warm-ups, one compiled shape an item."""
         yield from self.runtime.warmup()
+        if self.scheduler.prefix_cache is not None:
+            yield from self.runtime.warmup_copies()
         for drafter in self.drafters.values():
             yield from drafter.warmup()
 

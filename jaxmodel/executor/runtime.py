@@ -34,6 +34,7 @@ from .shapes import LOOP_MAX_TOKENS, Shapes, chunk_calls
 PER_ROW_REBUILD_MIN_BYTES = 4 << 20
 
 _copy_state = jax.jit(copy_state, donate_argnames="state")
+COPY_PAIRS_MIN = 4  # `Runtime.copy` pads its pairs to a power of two, at least this many
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,13 +143,21 @@ class Runtime:
     def copy(self, planes: Sequence[tuple[int, int]], pages: Sequence[tuple[int, int]]) -> None:
         """Copy planes and pages, (source, target) pairs (`jaxmodel.state.copy_state`); every source is read before
         any target is written. Padded to a few compiled counts."""
+        n = bucket(max(len(planes), len(pages)), minimum=COPY_PAIRS_MIN)
+
         def padded(pairs: Sequence[tuple[int, int]]) -> np.ndarray:
-            out = np.zeros((bucket(len(pairs), minimum=4), 2), np.int32)
+            out = np.zeros((n, 2), np.int32)
             if pairs:
                 out[: len(pairs)] = pairs
             return out
 
         self.state = _copy_state(self.state, padded(planes), padded(pages))
+
+    def _copy_counts(self) -> list[int]:
+        """The padded pair counts `copy` compiles for: up to two plane copies per row (one into a sequence starting
+        from a cached prefix, one out of a sequence keeping its state)."""
+        most = bucket(2 * (self.shapes.max_rows if self.shapes is not None else 1), minimum=COPY_PAIRS_MIN)
+        return [n for n in (COPY_PAIRS_MIN * 2**k for k in range(32)) if n <= most]
 
     def _pack(self, rows: Sequence[Row], prefill_only: bool):
         """The padded batch, and whether it runs as final-only (long prefill-only steps)."""
@@ -287,6 +296,13 @@ class Runtime:
         for B, T, inputs, static in self._warmup_calls():
             self.state = self._step(self.model.weights, self.state, inputs, **static)[1]
             yield B, T
+
+    def warmup_copies(self) -> Iterator[int]:
+        """Compile `copy` for every pair count it pads to, one per item (the count), copying the null plane and the
+        trash page onto themselves."""
+        for n in self._copy_counts():
+            self.copy([(0, 0)] * n, [])
+            yield n
 
     def compile(self, threads: int) -> int:
         """Compile every step shape `warmup` runs, `threads` at a time, without running any (the state is not
