@@ -4,9 +4,10 @@ or the `Error` that refused it. The protocol around it only moves these messages
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 
 import anyio
@@ -27,8 +28,9 @@ def loggable(request_id: str) -> str:
 
 
 class Generation:
-    """One accepted request. `tokens()` streams it; `final()` is its last message once the stream has ended (or
-    was left: cancelled through `scope`, by its client or a shutdown). `finished` is set by whoever ends it."""
+    """One accepted request. `prepare()` then `tokens()` run it, within `cancellable()` blocks; `final()` is its
+    last message once they have ended (or were left: by `cancel()`, its client going or a shutdown). `finished` is set when the server
+    lets go of it (`Server.end`)."""
 
     def __init__(self, request: GenerateRequest, engine: Engine | Replicas, tokenizer,
                  templates: TemplateRenderer | None, limits: Limits, prepare_limiter: anyio.CapacityLimiter):
@@ -38,7 +40,8 @@ class Generation:
         self.templates = templates
         self.limits = limits
         self.prepare_limiter = prepare_limiter
-        self.scope = anyio.CancelScope()
+        self.cancelled = False
+        self._scopes: set[anyio.CancelScope] = set()
         self.finished = anyio.Event()
         self.timing = RequestTiming(arrived=time.perf_counter())
         self.prepared: GenerationRequest | None = None
@@ -46,33 +49,65 @@ class Generation:
         self.done: DoneEvent | None = None
         self.completion = 0
 
-    async def tokens(self) -> AsyncIterator[Tokens]:
-        """The request's chunks as the engine commits them. A refused request yields none (`final()` is then
-        its error); a failure inside the engine or here ends it with finish_reason error."""
-        request = self.request
+    def cancel(self) -> None:
+        """End the request: its `cancellable` blocks now and later."""
+        self.cancelled = True
+        for scope in self._scopes:
+            scope.cancel()
+
+    @contextlib.contextmanager
+    def cancellable(self) -> Iterator[None]:
+        """A block `cancel()` ends (the request's steps may run in several: HTTP prepares it before its response
+        streams it)."""
+        with anyio.CancelScope() as scope:
+            self._scopes.add(scope)
+            if self.cancelled:
+                scope.cancel()
+            try:
+                yield
+            finally:
+                self._scopes.discard(scope)
+
+    async def prepare(self) -> bool:
+        """Render a chat request's template and tokenize its prompt; False when that refused it (`final()` is then
+        the error) or failed."""
         try:
-            text = await self._render() if request.messages is not None else None
+            text = await self._render() if self.request.messages is not None else None
             if isinstance(text, Error):
                 self.refusal = text
-                return
+                return False
             prepared = await anyio.to_thread.run_sync(self._prepare, text, limiter=self.prepare_limiter)
             await anyio.lowlevel.checkpoint()  # cancelled while tokenizing: it ends cancelled, whatever came
-            if isinstance(prepared, Error):
-                self.refusal = prepared
-                return
-            self.prepared = prepared
+        except Exception as exc:
+            self._failed(exc)
+            return False
+        if isinstance(prepared, Error):
+            self.refusal = prepared
+            return False
+        self.prepared = prepared
+        return True
+
+    async def tokens(self) -> AsyncIterator[Tokens]:
+        """The prepared request's chunks as the engine commits them; a failure inside the engine or here ends it
+        with finish_reason error."""
+        request = self.request
+        try:
             # aclosing: a request whose consumer leaves (a slow or gone client) is aborted in the engine at once
-            async with aclosing(self.engine.generate(prepared, self.timing)) as events:
+            async with aclosing(self.engine.generate(self.prepared, self.timing)) as events:
                 async for event in events:
                     if isinstance(event, TokensEvent):
                         self.completion += len(event.token_ids)
                         yield Tokens(request.id, list(event.token_ids), event.text, event.n_from_drafts)
                     else:
                         self.done = event
-        except Exception as exc:  # the request fails; the connection and other requests go on
-            log.exception("request %s failed", loggable(request.id))
-            self.done = DoneEvent(request.id, "error", 0, self.completion,
-                                  error=f"internal error ({type(exc).__name__})")
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """The request fails; the connection and other requests go on."""
+        log.exception("request %s failed", loggable(self.request.id))
+        self.done = DoneEvent(self.request.id, "error", 0, self.completion,
+                              error=f"internal error ({type(exc).__name__})")
 
     async def _render(self) -> str | Error:
         """A chat request's prompt text, from the model's template in a worker process."""

@@ -134,7 +134,7 @@ class _Client:
 
     ws: ServerConnection
     outbound: _Outbound
-    requests: dict[str, anyio.CancelScope]
+    requests: dict[str, Generation]
 
 
 class Server:
@@ -215,7 +215,7 @@ class Server:
         shutdown_grace_s, whatever the clients do."""
         self.closing = True
         for generation in list(self.generations):
-            generation.scope.cancel()
+            generation.cancel()
         with anyio.move_on_after(self.shutdown_grace_s):
             for generation in list(self.generations):
                 await generation.finished.wait()
@@ -255,9 +255,9 @@ class Server:
             case StatsRequest():
                 outbound.put(self.stats())
             case Cancel(id=request_id):
-                scope = client.requests.get(request_id)
-                if scope is not None:
-                    scope.cancel()
+                generation = client.requests.get(request_id)
+                if generation is not None:
+                    generation.cancel()
             case GenerateRequest() if self.closing:
                 usage, timings = Usage(0, 0), Timings(queue_ms=0.0, ttft_ms=None, tokens_per_s=0.0)
                 outbound.put(Done(result.id, "cancelled", usage, SpecStats(), timings))
@@ -268,16 +268,17 @@ class Server:
                     outbound.put(generation)
                     connection.finish(result.id)
                     return
-                client.requests[result.id] = generation.scope
+                client.requests[result.id] = generation
                 tg.start_soon(self._run, generation, client)
 
     async def _run(self, generation: Generation, client: _Client) -> None:
         request, outbound = generation.request, client.outbound
         try:
-            with generation.scope:
-                async with contextlib.aclosing(generation.tokens()) as chunks:
-                    async for chunk in chunks:
-                        outbound.put(chunk)
+            with generation.cancellable():
+                if await generation.prepare():
+                    async with contextlib.aclosing(generation.tokens()) as chunks:
+                        async for chunk in chunks:
+                            outbound.put(chunk)
             frame = generation.final()
             try:
                 outbound.put(frame)
