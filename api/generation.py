@@ -1,6 +1,6 @@
 """One request's run, whichever protocol carries it (websocket frames or HTTP): render its chat template (in a
 worker process), tokenize (in a worker thread), stream the engine's events as `Tokens`, and end with its `Done`,
-or the `Error` that refused it. The protocol around it only moves these messages and cancels `scope`."""
+or the `Error` that refused it. The protocol around it only moves these messages and cancels it."""
 
 from __future__ import annotations
 

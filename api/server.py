@@ -130,7 +130,7 @@ class _Outbound:
 
 @dataclass(eq=False)
 class _Client:
-    """One connection: its protocol state, outbound frames and the cancel scopes of its running requests."""
+    """One connection: its protocol state, outbound frames and its running requests by id."""
 
     ws: ServerConnection
     outbound: _Outbound
