@@ -29,8 +29,8 @@ def loggable(request_id: str) -> str:
 
 class Generation:
     """One accepted request. `prepare()` then `tokens()` run it, within `cancellable()` blocks; `final()` is its
-    last message once they have ended (or were left: by `cancel()`, its client going or a shutdown). `finished` is set when the server
-    lets go of it (`Server.end`)."""
+    last message once they have ended (or were left: by `cancel()`, its client going or a shutdown). `finished`
+    is set when the server lets go of it (`Server.end`)."""
 
     def __init__(self, request: GenerateRequest, engine: Engine | Replicas, tokenizer,
                  templates: TemplateRenderer | None, limits: Limits, prepare_limiter: anyio.CapacityLimiter):

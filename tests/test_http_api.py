@@ -142,8 +142,8 @@ def test_metrics_counters_are_the_sums_of_the_requests_done_statistics(live):
     client = live.openai()
     before = live.metrics()
     usages = []
-    for prompt, spec in (("while True:", MTP), ("class A:", MTP | {"drafters": ["ngram", "mtp"], "rollback": "checkpoint"}),
-                         ("import os\n", None)):  # fmt: skip
+    both = MTP | {"drafters": ["ngram", "mtp"], "rollback": "checkpoint"}
+    for prompt, spec in (("while True:", MTP), ("class A:", both), ("import os\n", None)):
         response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16,
                                              extra_body={"speculative": spec})
         usages.append(response.usage)
