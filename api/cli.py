@@ -176,6 +176,7 @@ def _serve(args) -> int:
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     server = Server(engine, tokenizer, settings, access, shutdown_grace_s=args.shutdown_grace, templates=templates)
+    model_name = args.served_model_name or os.path.basename(_model_paths(args)[0]).removesuffix(".gguf")
 
     async def main():
         shutdown = anyio.Event()
@@ -189,6 +190,11 @@ def _serve(args) -> int:
                         return
 
             tg.start_soon(on_signal)
+            if args.http_port is not None:
+                from api.http import run_http
+
+                tg.start_soon(lambda: run_http(server, args.host, args.http_port, model_name=model_name,
+                                               shutdown=shutdown))  # fmt: skip
             await run_server(server, args.host, args.port, shutdown=shutdown, compression=args.compression)
             tg.cancel_scope.cancel()
         if stopping:
@@ -271,12 +277,13 @@ def _loadtest(args) -> int:
         chaos = Chaos(cancel=args.cancel_rate, disconnect=args.disconnect_rate, policies=policies,
                       seed=args.seed or 0)  # fmt: skip
     api_key = args.api_key or os.environ.get("GDNSPEC_API_KEY")
-    connect_options = {"additional_headers": {"Authorization": f"Bearer {api_key}"}} if api_key else {}
-    result = anyio.run(lambda: run_loadtest(
-        args.url, concurrency=args.concurrency, prompts=prompts, requests=args.requests, duration=args.duration,
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, speculative=_speculative(args),
-        progress=progress, chaos=chaos, stats_every=args.stats_every,
-        connect_options=connect_options))  # fmt: skip
+    try:
+        result = anyio.run(lambda: run_loadtest(
+            args.url, concurrency=args.concurrency, prompts=prompts, requests=args.requests, duration=args.duration,
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, speculative=_speculative(args),
+            progress=progress, chaos=chaos, stats_every=args.stats_every, api_key=api_key))  # fmt: skip
+    except ValueError as exc:  # options the protocol of --url does not offer
+        raise SystemExit(f"gdnspec loadtest: {exc}") from None
     print(file=sys.stderr)
     summary = result.summary()
     print(format_table(summary))
@@ -358,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory a chat template's render may allocate beyond its worker's own")
     p.add_argument("--template-max-chars", type=int, default=1 << 20, help="longest rendered chat prompt")
     p.add_argument("--compression", action="store_true", help="offer permessage-deflate (off by default)")
+    p.add_argument("--http-port", type=int, metavar="PORT",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics) on this port, from the same engine and limits")
+    p.add_argument("--served-model-name", help="the model id the HTTP API lists and requests name (default: the "
+                                               "model file's name without .gguf)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds in-flight requests get to send their done frames on SIGINT/SIGTERM")
     p.set_defaults(func=_serve)
@@ -375,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("loadtest", help="measure multi-sequence throughput against a server")
-    p.add_argument("--url", required=True)
+    p.add_argument("--url", required=True, help="ws://host:port (websocket) or http://host:port (OpenAI API)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--requests", type=int)
     p.add_argument("--duration", type=float)

@@ -475,6 +475,75 @@ async def _one_request(
     )
 
 
+class _HttpRequestFailed(Exception):
+    def __init__(self, code: str):
+        self.code = code
+
+
+async def _one_http_request(
+    http, model: str, index: int, worker: int, prompt_index: int, prompt: Prompt, options: Mapping[str, Any],
+    now: Callable[[], float], start: float,
+) -> RequestRecord:
+    """One request over the OpenAI API, streamed with the token ids of each chunk and the usage at the end."""
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                            "return_token_ids": True}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if options.get(name) is not None:
+            body[name] = options[name]
+    speculative = options.get("speculative", UNSET)
+    if speculative is not UNSET:
+        body["speculative"] = msgspec.to_builtins(speculative)
+    if prompt.text is not None:
+        path, body["prompt"] = "/v1/completions", prompt.text
+    else:
+        path, body["messages"] = "/v1/chat/completions", [msgspec.to_builtins(m) for m in prompt.messages]
+    chunks: list[Chunk] = []
+    finish_reason = error = None
+    usage: dict[str, Any] = {}
+    try:
+        async with http.stream("POST", path, content=msgspec.json.encode(body),
+                               headers={"Content-Type": "application/json"}) as response:  # fmt: skip
+            if response.status_code != 200:
+                raise _HttpRequestFailed(_http_error_code(await response.aread(), response.status_code))
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = msgspec.json.decode(line[6:])
+                if "error" in event:
+                    raise _HttpRequestFailed(event["error"].get("code") or "error")
+                for choice in event.get("choices", ()):
+                    if choice.get("token_ids"):
+                        chunks.append(Chunk(now(), len(choice["token_ids"])))
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                usage = event.get("usage") or usage
+    except _HttpRequestFailed as exc:
+        error = exc.code
+    except OSError:
+        error = "connection_lost"
+    except Exception as exc:  # httpx2's transport errors
+        error = "connection_lost" if type(exc).__module__.startswith("httpx2") else type(exc).__name__
+    spec = msgspec.convert(usage["speculative"], SpecStats) if "speculative" in usage else SpecStats()
+    return RequestRecord(
+        index=index, worker=worker, prompt_index=prompt_index, start=start, end=now(), chunks=tuple(chunks),
+        finish_reason=finish_reason, error=error, prompt_tokens=usage.get("prompt_tokens", 0),
+        completion_tokens=usage.get("completion_tokens", 0), spec=spec,
+    )
+
+
+def _http_error_code(body: bytes, status: int) -> str:
+    try:
+        return msgspec.json.decode(body)["error"]["code"] or f"http_{status}"
+    except (msgspec.DecodeError, KeyError, TypeError):
+        return f"http_{status}"
+
+
+async def _http_model(http) -> str:
+    """The id of the model an OpenAI API serves (the first /v1/models lists)."""
+    response = await http.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
 async def run_loadtest(
     url: str,
     *,
@@ -493,6 +562,7 @@ async def run_loadtest(
     connect_options: Mapping[str, Any] | None = None,
     chaos: Chaos | None = None,
     stats_every: float | None = None,
+    api_key: str | None = None,
 ) -> LoadTestResult:
     """Run ``concurrency`` workers, each sending requests back to back, until ``requests`` have been started or
     ``duration`` seconds have passed (give exactly one); requests in flight then finish.
@@ -505,11 +575,22 @@ async def run_loadtest(
     With ``chaos``, every worker has a connection of its own and behaves as :class:`Chaos` says; a worker whose
     connection drops reconnects. With ``stats_every``, one more connection samples the server's ``stats`` that
     often, and once more after the run, when the server has let go of every request.
+
+    An ``http://`` (or ``https://``) url drives the OpenAI API instead: each worker streams its requests over a
+    pooled HTTP connection of its own, each chunk counted by its token ids; there chaos, stats_every and
+    connections are not offered, and the share of tokens from accepted drafts is not reported. ``api_key`` is
+    sent as ``Authorization: Bearer`` (for websockets pass it in connect_options' headers).
     """
     if (requests is None) == (duration is None):
         raise ValueError("give exactly one of requests or duration")
     if concurrency < 1 or not prompts:
         raise ValueError("need concurrency >= 1 and at least one prompt")
+    over_http = url.startswith(("http://", "https://"))
+    if over_http and (chaos is not None or stats_every is not None or connections is not None):
+        raise ValueError("over HTTP, chaos, stats_every and connections are not offered")
+    if api_key is not None and not over_http:
+        headers = dict((connect_options or {}).get("additional_headers", {})) | {"Authorization": f"Bearer {api_key}"}
+        connect_options = dict(connect_options or {}) | {"additional_headers": headers}
     n_conn = min(connections or concurrency, concurrency)
     options: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                    speculative=speculative)
@@ -572,6 +653,10 @@ async def run_loadtest(
             samples.append(StatsSample(now(), await client.stats()))
             await anyio.sleep(stats_every)
 
+    if over_http:
+        return await _run_http(url, concurrency, prompts, options, seed, api_key, take, taken_at, now, records,
+                               progress)  # fmt: skip
+
     async with AsyncExitStack() as stack:
         clients = [] if chaos is not None else [
             await stack.enter_async_context(Client(url, id_prefix=f"c{k}-", **(connect_options or {})))
@@ -594,6 +679,31 @@ async def run_loadtest(
         if observer is not None:
             samples.append(StatsSample(now(), await _settled_stats(observer)))
     return LoadTestResult(records=tuple(records), wall_s=wall_s, stats=tuple(samples))
+
+
+async def _run_http(url, concurrency, prompts, options, seed, api_key, take, taken_at, now, records, progress
+                    ) -> LoadTestResult:
+    """run_loadtest's workers over the OpenAI API."""
+    import httpx2
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx2.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=None) as http:
+        model = await _http_model(http)
+
+        async def worker(w: int) -> None:
+            while (i := take()) is not None:
+                per_request = dict(options, seed=None if seed is None else seed + i)
+                record = await _one_http_request(http, model, i, w, i % len(prompts), prompts[i % len(prompts)],
+                                                 per_request, now, taken_at.pop(i))  # fmt: skip
+                records.append(record)
+                if progress is not None:
+                    progress(record, len(records))
+
+        async with anyio.create_task_group() as tg:
+            for w in range(concurrency):
+                tg.start_soon(worker, w)
+        return LoadTestResult(records=tuple(records), wall_s=now())
 
 
 async def _settled_stats(client: Client, patience_s: float = 10.0) -> Stats:

@@ -147,6 +147,9 @@ class DrafterStats(Struct, frozen=True):
 
     drafted: int = 0
     accepted: int = 0
+    drafts: Annotated[int, Meta(description="Verify steps that fed this drafter's drafts.")] = 0
+    accepted_per_position: Annotated[
+        list[int], Meta(description="Per draft position (0, 1, ...): how many of those drafts had it accepted.")] = []
 
 
 class RollbackSteps(Struct, frozen=True):

@@ -17,7 +17,6 @@ import ipaddress
 import logging
 import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -29,13 +28,13 @@ from anyio.abc import TaskGroup
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from scheduler import DoneEvent, Engine, GenerationRequest, Replicas, RequestTiming, TokensEvent
+from scheduler import Engine, Replicas
 
-from .chat import ChatTemplateError
-from .templates import TemplateLimitExceeded, TemplateLimits, TemplateRenderer
-from .protocol import (Cancel, Connection, Done, DrafterStats, Error, Failure, GenerateRequest, RollbackSteps,
-                       ServerSettings, SpecStats, Stats, StatsRequest, Timings, Tokens, Usage, check_prompt_tokens,
-                       error)
+from .generation import Generation, loggable
+from .metrics import Metrics
+from .templates import TemplateLimits, TemplateRenderer
+from .protocol import (Cancel, Connection, Done, Error, Failure, GenerateRequest, ServerSettings, SpecStats, Stats,
+                       StatsRequest, Timings, Tokens, Usage, error)
 
 log = logging.getLogger("gdnspec.server")
 
@@ -61,6 +60,17 @@ class Access:
         """The key given, else the GDNSPEC_API_KEY environment variable (empty means none)."""
         return Access(api_key or os.environ.get(API_KEY_ENV) or None, tuple(origins))
 
+    def admits_key(self, authorization: str | None) -> bool:
+        """Whether an Authorization header carries the key (always, when none is set)."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def admits_origin(self, origin: str | None) -> bool:
+        """Whether a request with this Origin header (None: a client that is not a browser) is let in."""
+        return origin is None or origin in self.origins
+
 
 def is_loopback(host: str) -> bool:
     """Whether `host` names only this machine."""
@@ -70,11 +80,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def loggable(request_id: str) -> str:
-    """A client-chosen id as it may go into a log line: quoted, every control or non-ASCII character escaped."""
-    return ascii(request_id)
 
 
 def resident_bytes() -> int:
@@ -125,12 +130,11 @@ class _Outbound:
 
 @dataclass(eq=False)
 class _Client:
-    """One connection: its protocol state, outbound frames and the cancel scopes of its running requests."""
+    """One connection: its protocol state, outbound frames and its running requests by id."""
 
     ws: ServerConnection
     outbound: _Outbound
-    requests: dict[str, anyio.CancelScope]
-    finished: dict[str, anyio.Event]
+    requests: dict[str, Generation]
 
 
 class Server:
@@ -148,20 +152,22 @@ class Server:
         chat_template = tokenizer.chat_template if tokenizer is not None else None
         self.templates = TemplateRenderer(chat_template, templates) if chat_template else None
         self.clients: set[_Client] = set()
+        self.generations: set[Generation] = set()  # accepted and not finished, both protocols
         self.closing = False
-        self.n_requests = 0  # accepted and not finished, all connections
+        self.metrics = Metrics(engine.load, lambda: len(self.generations))
         self._prepare_limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+
+    @property
+    def n_requests(self) -> int:
+        """Requests accepted and not finished, all connections of both protocols."""
+        return len(self.generations)
 
     def check_handshake(self, ws: ServerConnection, request: Request) -> Response | None:
         """websockets' process_request: refuse a missing or wrong API key (401) and a connection beyond
         max_connections (503). Origins are checked by websockets itself (`run_server`)."""
-        key = self.access.api_key
-        if key is not None:
-            given = request.headers.get("Authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                log.warning("refused a connection from %s: missing or wrong API key", ws.remote_address)
-                return ws.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
+        if not self.access.admits_key(request.headers.get("Authorization")):
+            log.warning("refused a connection from %s: missing or wrong API key", ws.remote_address)
+            return ws.respond(HTTPStatus.UNAUTHORIZED, "missing or wrong API key\n")
         if self.closing:
             return ws.respond(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down\n")
         if len(self.clients) >= self.settings.limits.max_connections:
@@ -187,7 +193,7 @@ class Server:
 
     async def handle(self, ws: ServerConnection) -> None:
         send, receive = anyio.create_memory_object_stream(OUTBOUND_FRAMES)
-        client = _Client(ws, _Outbound(send, Connection(self.settings)), {}, {})
+        client = _Client(ws, _Outbound(send, Connection(self.settings)), {})
         self.clients.add(client)
         try:
             async with anyio.create_task_group() as tg:
@@ -208,13 +214,11 @@ class Server:
         that arrives meanwhile), let the frames go out, then close every connection; all within
         shutdown_grace_s, whatever the clients do."""
         self.closing = True
-        for client in list(self.clients):
-            for scope in client.requests.values():
-                scope.cancel()
+        for generation in list(self.generations):
+            generation.cancel()
         with anyio.move_on_after(self.shutdown_grace_s):
-            for client in list(self.clients):
-                for finished in list(client.finished.values()):
-                    await finished.wait()
+            for generation in list(self.generations):
+                await generation.finished.wait()
         for client in list(self.clients):
             client.outbound.send.close()
 
@@ -251,58 +255,31 @@ class Server:
             case StatsRequest():
                 outbound.put(self.stats())
             case Cancel(id=request_id):
-                scope = client.requests.get(request_id)
-                if scope is not None:
-                    scope.cancel()
+                generation = client.requests.get(request_id)
+                if generation is not None:
+                    generation.cancel()
             case GenerateRequest() if self.closing:
                 usage, timings = Usage(0, 0), Timings(queue_ms=0.0, ttft_ms=None, tokens_per_s=0.0)
                 outbound.put(Done(result.id, "cancelled", usage, SpecStats(), timings))
                 connection.finish(result.id)
-            case GenerateRequest() if self.n_requests >= self.max_requests:
-                outbound.put(error(result.id, "overloaded",
-                                   f"the server holds {self.n_requests} requests, its most; try again later"))
-                connection.finish(result.id)
             case GenerateRequest():
-                self.n_requests += 1
-                client.requests[result.id] = anyio.CancelScope()
-                client.finished[result.id] = anyio.Event()
-                tg.start_soon(self._run, result, client)
+                generation = self.admit(result)
+                if isinstance(generation, Error):
+                    outbound.put(generation)
+                    connection.finish(result.id)
+                    return
+                client.requests[result.id] = generation
+                tg.start_soon(self._run, generation, client)
 
-    async def _render(self, request: GenerateRequest) -> str | Error:
-        """A chat request's prompt text, from the model's template in a worker process."""
-        if self.tokenizer is None:
-            return error(request.id, "bad_value", "this model has no tokenizer; send prompt_ids")
-        if self.templates is None:
-            return error(request.id, "bad_value", "this model has no chat template; send prompt or prompt_ids")
+    async def _run(self, generation: Generation, client: _Client) -> None:
+        request, outbound = generation.request, client.outbound
         try:
-            return await self.templates.render([{"role": m.role, "content": m.content} for m in request.messages])
-        except TemplateLimitExceeded as exc:
-            return error(request.id, "chat_template", str(exc))
-        except ChatTemplateError as exc:
-            return error(request.id, "bad_value", f"chat template failed: {exc}")
-
-    def _prepare(self, request: GenerateRequest, text: str | None) -> GenerationRequest | Error:
-        """The engine's request: the prompt (`text`, a chat request's rendered prompt, or the request's own)
-        tokenized and checked."""
-        if request.prompt_ids is not None:
-            ids = list(request.prompt_ids)  # checked against the vocabulary by the protocol
-        elif self.tokenizer is None:
-            return error(request.id, "bad_value", "this model has no tokenizer; send prompt_ids")
-        else:
-            ids = self.tokenizer.encode(text if text is not None else request.prompt)
-        if not ids:
-            return error(request.id, "bad_value", "the prompt tokenizes to nothing")
-        too_long = check_prompt_tokens(request.id, len(ids), self.settings.limits)
-        if too_long is not None:
-            return too_long
-        return GenerationRequest(tuple(ids), request.max_tokens, request.sampling, request.stop, request.speculative)
-
-    async def _run(self, request: GenerateRequest, client: _Client) -> None:
-        timing = RequestTiming()
-        timing.arrived = time.perf_counter()
-        outbound = client.outbound
-        try:
-            frame = await self._generate(request, client, timing)
+            with generation.cancellable():
+                if await generation.prepare():
+                    async with contextlib.aclosing(generation.tokens()) as chunks:
+                        async for chunk in chunks:
+                            outbound.put(chunk)
+            frame = generation.final()
             try:
                 outbound.put(frame)
             except (TypeError, ValueError):  # a frame that cannot be encoded fails its request, not the connection
@@ -311,75 +288,40 @@ class Server:
                              Failure("internal", "the server could not encode this request's final frame"))
                 outbound.put(frame)
         finally:
-            self.n_requests -= 1
             client.requests.pop(request.id, None)
             outbound.connection.finish(request.id)
-            client.finished.pop(request.id).set()
+            self.end(generation)
+
+    def admit(self, request: GenerateRequest) -> Generation | Error:
+        """Hold a checked request for either protocol, or refuse it (overloaded) when the server holds its most.
+        Whoever runs the returned generation calls `end` once it is over."""
+        if len(self.generations) >= self.max_requests:
+            return error(request.id, "overloaded",
+                         f"the server holds {len(self.generations)} requests, its most; try again later")
+        generation = Generation(request, self.engine, self.tokenizer, self.templates, self.settings.limits,
+                                self._prepare_limiter)  # fmt: skip
+        self.generations.add(generation)
+        return generation
+
+    def end(self, generation: Generation) -> None:
+        """Let go of a generation whose stream is over: count it in the metrics and log it."""
+        self.generations.discard(generation)
+        generation.finished.set()
+        frame = generation.final()
+        request_id = loggable(generation.request.id)
         match frame:
             case Error(code=code):
-                log.info("request %s refused: %s", loggable(request.id), code)
+                log.info("request %s refused: %s", request_id, code)
+                return
             case Done(error=Failure(message=message)):
-                log.warning("request %s failed: %s", loggable(request.id), message)
+                log.warning("request %s failed: %s", request_id, message)
             case Done(spec=spec):
                 acceptance = ", ".join(f"{k} {v.accepted}/{v.drafted}" for k, v in spec.drafters.items()) or "none"
                 log.info("request %s: %d+%d tokens, %s, accepted %s, snapshot %d / checkpoint %d steps, "
-                         "%.1f tokens/s", loggable(request.id), frame.usage.prompt_tokens,
+                         "%.1f tokens/s", request_id, frame.usage.prompt_tokens,
                          frame.usage.completion_tokens, frame.finish_reason, acceptance, spec.rollback.snapshot,
                          spec.rollback.checkpoint, frame.timings.tokens_per_s)  # fmt: skip
-
-    async def _generate(self, request: GenerateRequest, client: _Client, timing: RequestTiming) -> Done | Error:
-        """Render a chat request's template (in a worker process), tokenize (in a worker thread), stream the
-        request's tokens, and return its final frame."""
-        completion, done, prepared = 0, None, None
-        try:
-            with client.requests[request.id]:
-                text = await self._render(request) if request.messages is not None else None
-                if isinstance(text, Error):
-                    return text
-                prepared = await anyio.to_thread.run_sync(self._prepare, request, text, limiter=self._prepare_limiter)
-                await anyio.lowlevel.checkpoint()  # cancelled while tokenizing: it ends cancelled, whatever came
-                if isinstance(prepared, Error):
-                    return prepared
-                # aclosing: a request left by an exception (a slow client) is aborted in the engine at once
-                async with contextlib.aclosing(self.engine.generate(prepared, timing)) as events:
-                    async for event in events:
-                        if isinstance(event, TokensEvent):
-                            completion += len(event.token_ids)
-                            client.outbound.put(Tokens(request.id, list(event.token_ids), event.text,
-                                                       event.n_from_drafts))  # fmt: skip
-                        else:
-                            done = event
-        except SlowClient:
-            raise
-        except Exception as exc:  # the request fails, the connection and its other requests go on
-            log.exception("request %s failed", loggable(request.id))
-            done = DoneEvent(request.id, "error", 0, completion, error=f"internal error ({type(exc).__name__})")
-        return self._done_frame(request.id, prepared, done, completion, timing)
-
-    @staticmethod
-    def _done_frame(request_id: str, prepared: GenerationRequest | Error | None, done: DoneEvent | None,
-                    completion: int, timing: RequestTiming) -> Done:
-        now = time.perf_counter()
-        first = timing.first_token
-        tokens_per_s = completion / (now - first) if first is not None and now > first and completion else 0.0
-        timings = Timings(
-            queue_ms=((timing.scheduled or now) - timing.arrived) * 1e3,
-            ttft_ms=(first - timing.arrived) * 1e3 if first is not None else None,
-            tokens_per_s=tokens_per_s,
-        )
-        n_prompt = len(prepared.prompt_ids) if isinstance(prepared, GenerationRequest) else 0
-        if done is None:  # cancelled by the client, its disconnection or the server's shutdown
-            return Done(request_id, "cancelled", Usage(n_prompt, completion), SpecStats(), timings)
-        if done.finish_reason == "error":
-            return Done(request_id, "error", Usage(n_prompt, completion), SpecStats(), timings,
-                        Failure("internal", done.error or "the server failed"))
-        spec = SpecStats(
-            drafters={name: DrafterStats(s.drafted, s.accepted) for name, s in done.drafters.items()},
-            rollback=RollbackSteps(done.rollback_steps.get("snapshot", 0), done.rollback_steps.get("checkpoint", 0),
-                                   done.rollback_steps.get("replay", 0)),
-        )
-        usage = Usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
-        return Done(request_id, done.finish_reason, usage, spec, timings)
+        self.metrics.observe(frame, generation.timing)
 
 
 @contextlib.asynccontextmanager

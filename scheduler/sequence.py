@@ -41,7 +41,8 @@ class SequenceState:
     held_text: str = ""
     abort_requested: bool = False
     preemptions: int = 0
-    draft_stats: dict[str, list[int]] = field(default_factory=dict)
+    draft_stats: dict[str, list[int]] = field(default_factory=dict)  # drafter -> [drafted, accepted, drafts]
+    accepted_at: dict[str, list[int]] = field(default_factory=dict)  # drafter -> accepted drafts per position
     rollback_steps: dict[str, int] = field(default_factory=lambda: {"snapshot": 0, "checkpoint": 0, "replay": 0})
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache
     save_points: list[int] = field(default_factory=list)  # positions whose state goes to the prefix cache, ascending
@@ -89,9 +90,14 @@ class SequenceState:
             self.live_plane = write_pool[0]
             self.n_computed = start + n_fed + n_drafts
         if n_drafts:
-            stats = self.draft_stats.setdefault(drafter, [0, 0])
+            stats = self.draft_stats.setdefault(drafter, [0, 0, 0])
             stats[0] += n_drafts
             stats[1] += n_accepted
+            stats[2] += 1
+            positions = self.accepted_at.setdefault(drafter, [])
+            positions += [0] * (n_drafts - len(positions))
+            for i in range(n_accepted):
+                positions[i] += 1
             self.rollback_steps[mode] += 1
 
     def follow(self, row: PlannedRow, later: Sequence[Continued], burst: Burst, max_model_len: int) -> bool:
@@ -115,7 +121,8 @@ class SequenceState:
         return DoneEvent(
             seq_id=self.request.seq_id, finish_reason=reason, prompt_tokens=len(self.request.prompt),
             completion_tokens=self.n_generated,
-            drafters={name: DraftStats(d, a) for name, (d, a) in self.draft_stats.items()},
+            drafters={name: DraftStats(d, a, n, tuple(self.accepted_at[name]))
+                      for name, (d, a, n) in self.draft_stats.items()},
             rollback_steps=dict(self.rollback_steps), preemptions=self.preemptions, error=error,
             cached_tokens=self.cached_tokens)
 

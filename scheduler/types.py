@@ -250,10 +250,13 @@ class TokensEvent:
 
 @dataclass(frozen=True)
 class DraftStats:
-    """Draft tokens verified and accepted, for one drafter over one request."""
+    """Draft tokens verified and accepted, for one drafter over one request; drafts: the verify steps that fed its
+    drafts, accepted_per_position: how many of them had their draft token at each position (0, 1, ...) accepted."""
 
     drafted: int
     accepted: int
+    drafts: int = 0
+    accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

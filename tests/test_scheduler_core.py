@@ -638,7 +638,8 @@ def test_later_iterations_drafting_on_device_are_counted_under_a_name(drafter):
     events = sched.update(plan, {"a": Committed((6,), 0)},
                           {"a": [Continued((7, 8), Committed((7, 8, 9), 2), drafter)]})  # fmt: skip
     done = events[-1]
-    assert done.finish_reason == "length" and dict(done.drafters) == {drafter or UNNAMED_DRAFTER: DraftStats(2, 2)}
+    assert done.finish_reason == "length"
+    assert dict(done.drafters) == {drafter or UNNAMED_DRAFTER: DraftStats(2, 2, drafts=1, accepted_per_position=(1, 1))}
 
 
 def test_a_steps_iterations_reach_the_stream_as_one_tokens_event():
@@ -666,7 +667,7 @@ def test_iterations_after_a_stop_token_are_not_the_sequences():
     assert events[0].token_ids == (6, 7, 8, 9, 3) and events[0].n_from_drafts == 3
     done = events[1]
     assert done.finish_reason == "stop" and done.completion_tokens == 7
-    assert dict(done.drafters) == {"mtp": DraftStats(4, 4)}
+    assert dict(done.drafters) == {"mtp": DraftStats(4, 4, drafts=2, accepted_per_position=(2, 2))}
     assert (sched.memory.free_pages, sched.memory.free_planes) == (sched.memory.usable_pages,
                                                                    sched.memory.usable_planes)
 
