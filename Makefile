@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench peer gpu-check gpu-quick gpu-wheels clean
+.PHONY: serve test test-presets bench peer gpu-check gpu-quick gpu-wheels clean
 
 $(STAMP): pyproject.toml $(wildcard jaxmodel/kernels/*.cc jaxmodel/kernels/*.h)
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Lossless tests at real shapes (the 0.8B preset, random weights): minutes on 2 cores, so not in `make test`.
+test-presets: $(STAMP)
+	GDNSPEC_PRESET_TESTS=1 $(BIN)/python -m pytest tests/test_prefix_cache.py -k preset $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/gdnspec bench step $(ARGS)
@@ -51,7 +55,7 @@ gpu-quick:
 	GPU_PYTHON=$(GPU_PYTHON) bench/gpu_quick.sh $(GPU_OUT) $(GPU_BUDGET)
 
 # Wheels for a GPU machine's Python 3.12 that has JAX but not these (carried there in .whl/, installed by gpu-quick).
-GPU_WHEELS := msgspec==0.22.0 gguf==0.19.0 websockets==17.4
+GPU_WHEELS := msgspec==0.22.0 gguf==0.19.0 websockets==17.4 prometheus-client==0.26.0
 gpu-wheels: $(STAMP)
 	rm -f .whl/*.whl  # one version of each: pip refuses two
 	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

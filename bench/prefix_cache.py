@@ -33,8 +33,8 @@ import anyio
 import jax
 
 from api.client import Client
-from api.protocol import Tokens
-from jaxmodel.assets import default_model_path
+from api.protocol import Speculative, Tokens
+from jaxmodel.assets import default_draft_path, default_model_path
 from jaxmodel.tokenizer import load_tokenizer
 
 from . import save_json
@@ -52,15 +52,17 @@ def corpus_ids(tokenizer, n: int, offset: int) -> list[int]:
     return (ids * reps)[offset : offset + n]
 
 
-async def converse(client: Client, system: list[int], users: list[list[int]], max_tokens: int) -> list[dict]:
-    """One conversation: a turn per user message, each sending the whole conversation so far. Returns each turn's
-    record."""
+async def converse(client: Client, system: list[int], users: list[list[int]], max_tokens: int,
+                   speculative: Speculative | None = None) -> list[dict]:
+    """One conversation: a turn per user message, each sending the whole conversation so far (drafting with
+    `speculative`; None: plain decoding). Returns each turn's record."""
     history = list(system)
     turns = []
     for k, user in enumerate(users):
         prompt = history + user
         start = time.perf_counter()
-        stream = await client.generate(prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0, speculative=None)
+        stream = await client.generate(prompt_ids=prompt, max_tokens=max_tokens, temperature=0.0,
+                                       speculative=speculative)
         first = None
         answer: list[int] = []
         async for frame in stream:
@@ -110,8 +112,10 @@ async def converse_llama(http, url: str, system: list[int], users: list[list[int
 
 
 async def run_conversations(url: str, tokenizer, *, conversations: int, turns: int, system_tokens: int,
-                            user_tokens: int, max_tokens: int, llama_server: bool = False) -> list[list[dict]]:
-    """Every conversation's turns, run at once over one connection (llama_server: `url` is llama-server's)."""
+                            user_tokens: int, max_tokens: int, llama_server: bool = False,
+                            drafters: tuple[str, ...] = ()) -> list[list[dict]]:
+    """Every conversation's turns, run at once over one connection (llama_server: `url` is llama-server's), drafting
+    with `drafters` (none: plain decoding)."""
     system = corpus_ids(tokenizer, system_tokens, 0)
     results: list[list[dict]] = [[] for _ in range(conversations)]
     if llama_server:
@@ -127,7 +131,8 @@ async def run_conversations(url: str, tokenizer, *, conversations: int, turns: i
             if llama_server:
                 results[c] = await converse_llama(client, url.rstrip("/"), system, users, max_tokens)
             else:
-                results[c] = await converse(client, system, users, max_tokens)
+                speculative = Speculative(drafters=list(drafters)) if drafters else None
+                results[c] = await converse(client, system, users, max_tokens, speculative)
 
         async with anyio.create_task_group() as tg:
             for c in range(conversations):
@@ -136,14 +141,15 @@ async def run_conversations(url: str, tokenizer, *, conversations: int, turns: i
 
 
 def summarize(results: list[list[dict]]) -> list[dict]:
-    """Per turn, over the conversations: the median client and server time to first token, and the prompt, cached
-    and prefilled tokens summed."""
+    """Per turn, over the conversations: the median client and server time to first token and to the turn's last
+    token, and the prompt, cached and prefilled tokens summed."""
     per_turn = []
     for k in range(len(results[0])):
         turn = [conversation[k] for conversation in results]
         ttfts = [t["ttft_ms"] for t in turn if t["ttft_ms"] is not None]
         server = [t["server_ttft_ms"] for t in turn if t["server_ttft_ms"] is not None]
         per_turn.append({"turn": k + 1, "median_ttft_ms": statistics.median(ttfts) if ttfts else None,
+                         "median_total_ms": statistics.median(t["total_ms"] for t in turn),
                          "median_server_ttft_ms": statistics.median(server) if server else None,
                          "prompt_tokens": sum(t["prompt_tokens"] for t in turn),
                          "cached_tokens": sum(t["cached_tokens"] for t in turn),
@@ -187,13 +193,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=4096, help="in-process: positions per sequence")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="in-process: the engine's prefix cache (`scheduler.prefix_cache`)")
+    parser.add_argument("--drafters", default="", help="comma-separated drafters every turn asks for (default: none, "
+                        "plain decoding); in-process, draft_model loads the bundled draft model")
     parser.add_argument("--out", default=None, help="write JSON results here")
     parser.add_argument("--plot", default=None, help="write a PNG of time to first token per turn here")
     args = parser.parse_args(argv)
     model_path = args.model or str(default_model_path())
     tokenizer = load_tokenizer(model_path)
+    drafters = tuple(name for name in args.drafters.split(",") if name)
     settings = dict(conversations=args.conversations, turns=args.turns, system_tokens=args.system_tokens,
-                    user_tokens=args.user_tokens, max_tokens=args.max_tokens)  # fmt: skip
+                    user_tokens=args.user_tokens, max_tokens=args.max_tokens, drafters=drafters)  # fmt: skip
     longest = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
     if longest > args.max_model_len:
         raise SystemExit(f"a conversation reaches {longest} tokens, past --max-model-len {args.max_model_len}")
@@ -204,7 +213,9 @@ def main(argv=None) -> dict:
         from jaxmodel import load_model
         from scheduler import Engine
 
-        engine = Engine(load_model(model_path), tokenizer=tokenizer, budget_bytes=int(args.budget_mb * 2**20),
+        draft = load_model(default_draft_path()) if "draft_model" in drafters else None
+        engine = Engine(load_model(model_path), tokenizer=tokenizer, draft_model=draft,
+                        budget_bytes=int(args.budget_mb * 2**20),
                         max_running=args.conversations, max_model_len=args.max_model_len,
                         prefix_cache=args.prefix_cache)
         warmup = time.perf_counter()
@@ -233,7 +244,8 @@ def main(argv=None) -> dict:
     second = summary[1]["median_ttft_ms"] if len(summary) > 1 else None
     for t in summary:
         ratio = f"{t['median_ttft_ms'] / second:5.2f}x turn 2" if second and t["median_ttft_ms"] else ""
-        print(f"turn {t['turn']}: median time to first token {t['median_ttft_ms']:8.1f} ms {ratio}  prompt "
+        print(f"turn {t['turn']}: median time to first token {t['median_ttft_ms']:8.1f} ms {ratio}, to the last "
+              f"{t['median_total_ms']:8.1f} ms  prompt "
               f"{t['prompt_tokens']:6d} tokens, {t['cached_tokens']:6d} from the cache, {t['prefilled_tokens']:6d} "
               f"prefilled", flush=True)
     print(f"prefilled {sum(t['prefilled_tokens'] for t in summary)} of {sum(t['prompt_tokens'] for t in summary)} "

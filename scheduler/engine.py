@@ -130,8 +130,9 @@ class Engine:
         target's KV pages (the MTP head's included), "float32" or "float16" (half the bytes a page, so twice the
         positions in the same budget, and half the bytes attention reads at a long context; docs/performance.md, "A
         float16 KV cache"). row_buckets: the batch sizes the steps compile (`Shapes.row_buckets`; default: powers of
-        4). prefix_cache: keep each finished sequence's computed state for a request that continues it, a
-        conversation's next turn (`scheduler.prefix_cache`)."""
+        4). prefix_cache: keep computed states at chosen prompt boundaries and finished turns' ends, inside
+        the budget, for the requests that start with them (`scheduler.prefix_cache`; `gdnspec serve` turns it on
+        unless told --no-prefix-cache)."""
         parts = assemble(model, tokenizer=tokenizer, draft_model=draft_model, extra_drafters=extra_drafters,
                          budget_bytes=budget_bytes, max_running=max_running, max_model_len=max_model_len,
                          token_budget=token_budget, chunk_size=chunk_size, page_size=page_size, n_max=n_max,

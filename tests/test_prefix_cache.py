@@ -1,8 +1,12 @@
-"""The prefix cache (`scheduler.prefix_cache`): a conversation's next turn takes over the state its previous turn
-computed, and decodes exactly what a full prefill would (plain greedy), for every drafter and rollback mode, with
-conversations running at once and under a budget small enough that cached prefixes are evicted."""
+"""The prefix cache (`scheduler.prefix_cache`): a conversation's next turn starts from the state its previous turn
+finished with, requests sharing a system prompt start from the state at its end, and both decode exactly what a
+full prefill would (plain greedy), for every drafter and rollback mode, with requests running at once and under a
+budget small enough that cached states are evicted; what the cache holds comes back when it is dropped."""
+
+import os
 
 import anyio
+import numpy as np
 import pytest
 
 from api.client import Client
@@ -181,3 +185,52 @@ def test_the_server_reports_cached_tokens_and_the_caches_counts(model, tokenizer
     assert stats.prefix_tokens == second["cached_tokens"]
     assert stats.pages_free + stats.cached_pages == stats.pages_total
     assert stats.planes_free + stats.cached_planes == stats.planes_total
+
+
+PRESET_TESTS = "GDNSPEC_PRESET_TESTS"
+
+
+@pytest.mark.skipif(not os.environ.get(PRESET_TESTS), reason=f"minutes on 2 cores: set {PRESET_TESTS}=1 (make "
+                    "test-presets)")
+@pytest.mark.parametrize("drafters,rollback", [(("mtp",), "checkpoint"), (("mtp", "ngram"), "snapshot")])
+def test_the_0_8b_preset_decodes_the_same_from_cached_states(drafters, rollback):
+    """Qwen3.5-0.8B's shapes (24 layers, 19 MiB planes; random weights, no tokenizer): conversations of three turns
+    sharing a system prompt, two at once, decode the same tokens with the prefix cache as without it, and the later
+    turns start from cached states."""
+    from jaxmodel.model import Model
+    from jaxmodel.random_model import PRESETS, random_weights
+
+    cfg = PRESETS["qwen35-0.8b"]
+    model = Model(cfg, random_weights(cfg, seed=0))
+    speculative = SpeculativeConfig(drafters, n_max=3, rollback=rollback)
+    rng = np.random.default_rng(0)
+    system = [int(t) for t in rng.integers(100, cfg.n_vocab, 40)]
+    users = [[[int(t) for t in rng.integers(100, cfg.n_vocab, 5)] for _ in range(3)] for _ in range(2)]
+
+    async def conversations(prefix_cache: bool):
+        engine = Engine(model, tokenizer=None, prefix_cache=prefix_cache, stop_token_ids=(),
+                        budget_bytes=400 << 20, max_running=2, max_model_len=96, chunk_size=32, token_budget=64,
+                        n_max=3)  # fmt: skip
+        results = [[], []]
+
+        async def one(c):
+            history = list(system)
+            for user in users[c]:
+                prompt, answer = history + user, []
+                async for event in engine.generate(GenerationRequest(tuple(prompt), 6, speculative=speculative)):
+                    if isinstance(event, TokensEvent):
+                        answer += event.token_ids
+                    else:
+                        results[c].append((answer, event.cached_tokens))
+                history = prompt + answer
+
+        async with engine, anyio.create_task_group() as tg:
+            for c in range(2):
+                tg.start_soon(one, c)
+        return engine, results
+
+    _, plain = anyio.run(conversations, False)
+    engine, cached = anyio.run(conversations, True)
+    assert [[a for a, _ in c] for c in cached] == [[a for a, _ in c] for c in plain]
+    assert all(n > 0 for c in cached for _, n in c[1:])
+    check_memory(engine)
