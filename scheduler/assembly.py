@@ -51,34 +51,34 @@ class EnginePools:
 
 
 def engine_pools(model: Model, budget_bytes: int, *, max_running: int, n_max: int, page_size: int,
-                 kv_dtype: str, prefix_cache: bool = False) -> EnginePools:
+                 kv_dtype: str, max_model_len: int = 0, prefix_cache: bool = False) -> EnginePools:
     """How an engine spends its budget (`pool_sizes`): planes for every sequence to snapshot a full draft but never
-    more than half the budget, the prefix cache's planes (PREFIX_CACHE_PLANES_PER_SEQUENCE per sequence, at most an
-    eighth of the budget), a replay pool of a full draft for every row of a step, the MTP head's backlog
-    (HEAD_BACKLOG_TOKENS per sequence, fewer where it would take more than an eighth of the budget), and KV pages
-    with the rest."""
+    more than half the budget, a replay pool of a full draft for every row of a step, the MTP head's backlog
+    (HEAD_BACKLOG_TOKENS per sequence, fewer where it would take more than an eighth of the budget), the prefix
+    cache's planes (PREFIX_CACHE_PLANES_PER_SEQUENCE per sequence, at most an eighth of the budget, and never so many
+    that the pages left hold less than a sequence of max_model_len positions and a page per running sequence), and
+    KV pages with the rest."""
     cfg = model.cfg
     plane_bytes = max(bytes_per_plane(cfg), 1)
+    page_bytes = kv_bytes_per_page(cfg, page_size, kv_dtype)
     planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // plane_bytes // max_running))
-    cache_planes = 0
-    if prefix_cache:
-        cache_planes = min(PREFIX_CACHE_PLANES_PER_SEQUENCE * max_running, budget_bytes // 8 // plane_bytes)
     backlog_tokens = 0
     if model.has_mtp and n_max > 0:
         fitting = budget_bytes // 8 // (max_running * backlog_bytes_per_token(cfg))
         backlog_tokens = min(HEAD_BACKLOG_TOKENS, fitting // 16 * 16)
-    sizes = pool_sizes(
-        budget_bytes,
-        page_bytes=kv_bytes_per_page(cfg, page_size, kv_dtype),
-        plane_bytes=plane_bytes,
-        page_size=page_size,
-        max_running=max_running,
-        planes_per_seq=planes_per_seq,
-        extra_planes=cache_planes,
-        replay_tokens=n_max if cfg.gdn_layers else 0,
-        replay_token_bytes=replay_bytes_per_token(cfg),
-        backlog_bytes=max_running * backlog_tokens * backlog_bytes_per_token(cfg),
-    )
+
+    def sizes_with(cache_planes: int) -> PoolSizes:
+        return pool_sizes(budget_bytes, page_bytes=page_bytes, plane_bytes=plane_bytes, page_size=page_size,
+                          max_running=max_running, planes_per_seq=planes_per_seq, extra_planes=cache_planes,
+                          replay_tokens=n_max if cfg.gdn_layers else 0, replay_token_bytes=replay_bytes_per_token(cfg),
+                          backlog_bytes=max_running * backlog_tokens * backlog_bytes_per_token(cfg))  # fmt: skip
+
+    sizes, cache_planes = sizes_with(0), 0
+    if prefix_cache:
+        spare_pages = sizes.n_pages - 1 - pages_for(max_model_len, page_size) - max_running
+        cache_planes = max(0, min(PREFIX_CACHE_PLANES_PER_SEQUENCE * max_running, budget_bytes // 8 // plane_bytes,
+                                  spare_pages * page_bytes // plane_bytes))  # fmt: skip
+        sizes = sizes_with(cache_planes)
     return EnginePools(sizes, backlog_tokens, cache_planes)
 
 
@@ -110,7 +110,7 @@ def assemble(model: Model, *, tokenizer, draft_model: Model | None, extra_drafte
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
     pools = engine_pools(model, budget_bytes, max_running=max_running, n_max=n_max, page_size=page_size,
-                         kv_dtype=kv_dtype, prefix_cache=prefix_cache)
+                         kv_dtype=kv_dtype, max_model_len=max_model_len, prefix_cache=prefix_cache)
     sizes, backlog_tokens = pools.sizes, pools.backlog_tokens
     drafters = {d.name: d for d in [*standard_drafters(model, draft_model, max_seqs=max_running,
                                                        max_context=max_model_len, n_max=n_max,
