@@ -208,7 +208,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"a conversation reaches {longest} tokens, past --max-model-len {args.max_model_len}")
 
     async def in_process() -> tuple[list[list[dict]], float]:
-        from api.protocol import Defaults, ServerSettings
+        from api.protocol import Defaults, Limits, ServerSettings
         from api.server import Server, listening
         from jaxmodel import load_model
         from scheduler import Engine
@@ -222,7 +222,9 @@ def main(argv=None) -> dict:
         engine.warmup()
         warmup = time.perf_counter() - warmup
         # The server holds its limits to what the engine serves (`api.server.limited_to`).
-        server = Server(engine, tokenizer, ServerSettings(defaults=Defaults(drafters=(), max_tokens=args.max_tokens)))
+        server_settings = ServerSettings(defaults=Defaults(drafters=(), max_tokens=args.max_tokens),
+                                         limits=Limits(known_drafters=tuple(engine.drafters)))
+        server = Server(engine, tokenizer, server_settings)
         async with engine, listening(server) as (url, _):
             return await run_conversations(url, tokenizer, **settings), warmup
 
