@@ -57,7 +57,7 @@ def engine_pools(model: Model, budget_bytes: int, *, max_running: int, n_max: in
     eighth of the budget), a replay pool of a full draft for every row of a step, the MTP head's backlog
     (HEAD_BACKLOG_TOKENS per sequence, fewer where it would take more than an eighth of the budget), and KV pages
     with the rest."""
-    cfg = model.cfg
+    cfg = model.state_cfg  # the pools' shapes: a sharded model may repeat KV and GDN key heads across devices
     plane_bytes = max(bytes_per_plane(cfg), 1)
     planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // plane_bytes // max_running))
     cache_planes = 0

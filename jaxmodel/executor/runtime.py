@@ -20,6 +20,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model import Model, rebuild
 from ..speculative import draft_chain, later_width, speculative_step
+from ..sharding import constrain_state, keeping_state_sharding
 from ..state import Row, StepOutput, bucket, bytes_per_plane, copy_state, pack_batch
 from .call_inputs import backlog_inputs, loop_inputs, replay_inputs, step_inputs
 from .costs import StepCosts
@@ -40,8 +41,10 @@ COPY_PAIRS_MIN = 4  # `Runtime.copy` pads its pairs to a power of two, at least 
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: ModelConfig):
     """The jitted step, chain and replay rebuild (timed alone by `calibrate`) of a config, shared by every runtime
-    of it (so their compilations are too)."""
-    step = PackedCall(functools.partial(speculative_step, cfg=cfg),
+    of it (so their compilations are too). A sharded model's calls return the state placed as they took it
+    (`sharding.keeping_state_sharding`)."""
+    tp = cfg.tensor_parallel
+    step = PackedCall(keeping_state_sharding(functools.partial(speculative_step, cfg=cfg), tp),
                       static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab", "rebuild_rows",
                                        "lookup_width"))
 
@@ -49,8 +52,12 @@ def _compiled(cfg: ModelConfig):
         drafts, n_drafted, state = draft_chain(weights, cfg, state=state, **inputs)
         return (drafts, n_drafted), state
 
-    return step, PackedCall(chain, static_argnames=("n_max",)), jax.jit(functools.partial(rebuild, cfg=cfg),
-                                                                        donate_argnames="state")
+    def rebuilt(weights, state, *args, **kwargs):
+        state = rebuild(weights, cfg, state, *args, **kwargs)
+        return state if tp is None else constrain_state(state, tp)
+
+    return (step, PackedCall(keeping_state_sharding(chain, tp), static_argnames=("n_max",)),
+            jax.jit(rebuilt, donate_argnames="state"))
 
 
 class Runtime:
