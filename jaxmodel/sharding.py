@@ -22,6 +22,7 @@ CPU few-row kernel where the kernels build, as `load_model` does.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -394,11 +395,17 @@ def embed(tp: TensorParallel, table, tokens: jax.Array) -> jax.Array:
 
 def head_logits(tp: TensorParallel, logits_at: Callable, hidden: jax.Array, rows: jax.Array, head, n_tokens):
     """logits_at(hidden, rows, head, n_tokens) -> [B, R, V] with head [E, V] split over the vocabulary: each
-    device computes its vocabulary's logits; they stay split (XLA gathers what verification and sampling need)."""
+    device computes its vocabulary's logits, and one all-gather hands every device all of them, for verification,
+    sampling and drafting to run replicated (left split, XLA's own partitioning of those gathers the logits
+    several times over, in pieces)."""
     if not tp.vocab_split:
         return logits_at(hidden, rows, head, n_tokens)
-    return _per_shard(tp, logits_at, (REPLICATED, REPLICATED, _head_spec(head, True), REPLICATED),
-                      P(None, None, AXIS))(hidden, rows, head, n_tokens)
+
+    def body(hidden, rows, head, n_tokens):
+        return jax.lax.all_gather(logits_at(hidden, rows, head, n_tokens), AXIS, axis=2, tiled=True)
+
+    return _per_shard(tp, body, (REPLICATED, REPLICATED, _head_spec(head, True), REPLICATED),
+                      REPLICATED)(hidden, rows, head, n_tokens)
 
 
 def attention_block(tp: TensorParallel, attention: Callable, w: Attention, x: jax.Array, norm: jax.Array,
@@ -467,3 +474,20 @@ def rebuild_block(tp: TensorParallel, rebuild: Callable, mixers: list[GatedDelta
                 [REPLAY_SPEC] * len(replay), REPLICATED, REPLICATED, REPLICATED, REPLICATED)
     return _per_shard(tp, body, in_specs, ([CONV_SPEC] * len(conv), [SSM_SPEC] * len(ssm)))(
         mixers, conv, ssm, replay, source, target, slot, n_keep)
+
+
+# ------------------------------------------------------------------------------------------------- inspection
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_COLLECTIVE_OP = re.compile(r"= [^=]*? (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many of each collective a compiled module's HLO text (`jax.stages.Compiled.as_text()`) holds, each
+    counted once (an async pair's start only)."""
+    counts = {name: 0 for name in COLLECTIVES}
+    for line in hlo_text.splitlines():
+        match = _COLLECTIVE_OP.search(line)
+        if match:
+            counts[match.group(1)] += 1
+    return counts

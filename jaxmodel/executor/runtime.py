@@ -35,6 +35,16 @@ from .shapes import LOOP_MAX_TOKENS, Shapes, chunk_calls
 PER_ROW_REBUILD_MIN_BYTES = 4 << 20
 
 _copy_state = jax.jit(copy_state, donate_argnames="state")
+
+
+@functools.lru_cache(maxsize=None)
+def _state_copier(tp):
+    """`copy_state` jitted; for a sharded model (tp, a `sharding.TensorParallel`) returning the state placed as it
+    took it."""
+    if tp is None:
+        return _copy_state
+    return jax.jit(lambda state, planes, pages: constrain_state(copy_state(state, planes, pages), tp),
+                   donate_argnames="state")
 COPY_PAIRS_MIN = 4  # `Runtime.copy` pads its pairs to a power of two, at least this many
 
 
@@ -158,7 +168,7 @@ class Runtime:
                 out[: len(pairs)] = pairs
             return out
 
-        self.state = _copy_state(self.state, padded(planes), padded(pages))
+        self.state = _state_copier(self.model.cfg.tensor_parallel)(self.state, padded(planes), padded(pages))
 
     def _copy_counts(self) -> list[int]:
         """The padded pair counts `copy` compiles for: up to two plane copies per row (one into a sequence starting
