@@ -42,6 +42,8 @@ def _build_engine(args):
 
     if args.replicas < 1:
         raise SystemExit(f"gdnspec: --replicas {args.replicas}: at least 1")
+    if args.tensor_parallel < 1 or (args.tensor_parallel > 1 and args.replicas > 1):
+        raise SystemExit(f"gdnspec: --tensor-parallel {args.tensor_parallel}: at least 1, and 1 with --replicas")
     model_path, draft_path = _model_paths(args)
     try:  # a file that cannot serve is the user's to fix: one line naming it and what is wrong, no traceback
         quantized = False if args.dequantize_at_load else None
@@ -53,6 +55,11 @@ def _build_engine(args):
             draft = load_model(draft_path, load_mtp=False, weight_dtype=args.weight_dtype, quantized=quantized)
     except ValueError as exc:  # ModelFormatError, or a draft model of another vocabulary
         raise SystemExit(f"gdnspec: cannot load the model: {exc}") from None
+    if args.tensor_parallel > 1:
+        try:  # fewer devices than asked, or heads that do not split over them
+            model = model.sharded(args.tensor_parallel)
+        except ValueError as exc:
+            raise SystemExit(f"gdnspec: cannot split the model over {args.tensor_parallel} devices: {exc}") from None
     engine_args = dict(
         tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
@@ -77,6 +84,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="engines serving side by side, each with its share of --max-seqs and --budget-mb (on a CPU "
                         "of 2 cores, 2 decode many streams faster; docs/performance.md, "
                         "\"Two engines side by side\")")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="split the target over this many devices (jaxmodel.sharding: heads, FFN columns and the "
+                        "vocabulary; --budget-mb counts all of them); on CPU, XLA_FLAGS="
+                        "--xla_force_host_platform_device_count=N makes N host devices")
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per sequence")
     p.add_argument("--max-n-max", type=int, default=16, help="longest draft any request may ask for")
     p.add_argument("--fixed-policy", action="store_true",

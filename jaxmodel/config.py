@@ -40,6 +40,9 @@ class ModelConfig:
     n_expert_used: int = 0
     n_ff_expert: int = 0
     n_ff_shared: int = 0
+    # A `jaxmodel.sharding.TensorParallel` where the model is split over devices (`Model.sharded`); its blocks then
+    # run per shard under its local config. None: one device.
+    tensor_parallel: object = None
 
     @property
     def is_moe(self) -> bool:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from . import quant_blocks
+from . import quant_blocks, sharding
 from .config import ModelConfig
 from .gdn import gdn_mixer, gdn_rebuild
 from .gguf_io import read_gguf, to_device
@@ -47,6 +47,68 @@ def _logits_at(hidden: jax.Array, rows: jax.Array, head: jax.Array, n_tokens: ja
     return linear(jnp.take_along_axis(hidden, rows[..., None], axis=1), head, live=rows < n_tokens[:, None])
 
 
+def _head(cfg: ModelConfig, hidden: jax.Array, rows: jax.Array, head, n_tokens: jax.Array,
+          vocab: int | None = None) -> jax.Array:
+    """`_logits_at` for the first `vocab` token ids (all when None); split over the vocabulary under tensor
+    parallelism (`sharding.head_logits`, which computes all of them and keeps the first)."""
+    tp = cfg.tensor_parallel
+    if tp is None or not tp.vocab_split:
+        return _logits_at(hidden, rows, first_columns(head, vocab), n_tokens)
+    logits = sharding.head_logits(tp, _logits_at, hidden, rows, head, n_tokens)
+    return logits if vocab is None else logits[..., :vocab]
+
+
+def _embed(cfg: ModelConfig, table, tokens: jax.Array) -> jax.Array:
+    tp = cfg.tensor_parallel
+    return embedding_rows(table, tokens) if tp is None else sharding.embed(tp, table, tokens)
+
+
+# The blocks on their normed input x and the norm's weight, as `forward` runs them on one device and
+# `sharding`'s blocks run them per shard (under the shard's config, then summing y over the shards).
+
+
+def _attention_normed(w, cfg, x, norm, positions, valid, page_table, k_pages, v_pages):
+    return paged_attention(w, cfg, rms_normed(x, norm, cfg.norm_eps), positions, valid, page_table, k_pages, v_pages)
+
+
+def _kv_write_normed(w, cfg, x, norm, positions, valid, page_table, k_pages, v_pages):
+    return write_kv(w, cfg, rms_normed(x, norm, cfg.norm_eps), positions, valid, page_table, k_pages, v_pages)
+
+
+def _gdn_normed(w, cfg, x, norm, valid, n_tokens, conv, ssm, read_plane, write_planes, replay, slot, first, *,
+                final_only: bool):
+    return gdn_mixer(w, cfg, rms_normed(x, norm, cfg.norm_eps), valid, n_tokens, conv, ssm, read_plane,
+                     write_planes, final_only, replay, slot, first)
+
+
+def _ffn_normed(w, cfg, x, norm, valid):
+    return ffn(w, cfg, rms_normed(x, norm, cfg.norm_eps), valid)
+
+
+def _attention(w, cfg: ModelConfig, x, norm, *args):
+    tp = cfg.tensor_parallel
+    return _attention_normed(w, cfg, x, norm, *args) if tp is None else sharding.attention_block(
+        tp, _attention_normed, w, x, norm, *args)
+
+
+def _kv_write(w, cfg: ModelConfig, x, norm, *args):
+    tp = cfg.tensor_parallel
+    return _kv_write_normed(w, cfg, x, norm, *args) if tp is None else sharding.kv_write_block(
+        tp, _kv_write_normed, w, x, norm, *args)
+
+
+def _gdn(w, cfg: ModelConfig, x, norm, *args, final_only: bool):
+    tp = cfg.tensor_parallel
+    mixer = functools.partial(_gdn_normed, final_only=final_only)
+    return mixer(w, cfg, x, norm, *args) if tp is None else sharding.gdn_block(tp, mixer, w, x, norm, *args)
+
+
+def _ffn(w, cfg: ModelConfig, x, norm, valid):
+    tp = cfg.tensor_parallel
+    return _ffn_normed(w, cfg, x, norm, valid) if tp is None else sharding.ffn_block(tp, _ffn_normed, w, x, norm,
+                                                                                      valid)
+
+
 def forward(
     weights: Weights, cfg: ModelConfig, batch: StepBatch, state: ModelState, final_only: bool = False,
     record: Record | None = None,
@@ -60,32 +122,32 @@ def forward(
     """
     T = batch.tokens.shape[1]
     valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]  # [B, T]
-    x = embedding_rows(weights.embed, batch.tokens)  # [B, T, E]
+    x = _embed(cfg, weights.embed, batch.tokens)  # [B, T, E]
     k_pages, v_pages = list(state.k_pages), list(state.v_pages)
     conv, ssm, replay = list(state.conv), list(state.ssm), list(state.replay)
     recording = record is not None and bool(replay)
     attn_index = {layer: i for i, layer in enumerate(cfg.attn_layers)}
     gdn_index = {layer: i for i, layer in enumerate(cfg.gdn_layers)}
     for li, layer in enumerate(weights.layers):
-        h = rms_normed(x, layer.attn_norm, cfg.norm_eps)
         if cfg.recurrent[li]:
             j = gdn_index[li]
-            y, conv[j], ssm[j], pool = gdn_mixer(
-                layer.mixer, cfg, h, valid, batch.n_tokens, conv[j], ssm[j],
-                batch.read_plane, batch.write_planes, final_only,
+            y, conv[j], ssm[j], pool = _gdn(
+                layer.mixer, cfg, x, layer.attn_norm, valid, batch.n_tokens, conv[j], ssm[j],
+                batch.read_plane, batch.write_planes,
                 replay[j] if recording else None, record.slot if recording else None,
-                record.first if recording else None,
+                record.first if recording else None, final_only=final_only,
             )  # fmt: skip
             if recording:
                 replay[j] = pool
         else:
             j = attn_index[li]
-            y, k_pages[j], v_pages[j] = paged_attention(
-                layer.mixer, cfg, h, batch.positions, valid, batch.page_table, k_pages[j], v_pages[j]
+            y, k_pages[j], v_pages[j] = _attention(
+                layer.mixer, cfg, x, layer.attn_norm, batch.positions, valid, batch.page_table, k_pages[j],
+                v_pages[j]
             )
         x = _residual_ffn(layer, cfg, x + y, valid)
     hidden = rms_norm(x, weights.output_norm, cfg.norm_eps)
-    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, weights.output, batch.n_tokens), hidden=hidden)
+    out = StepOutput(logits=_head(cfg, hidden, batch.logit_rows, weights.output, batch.n_tokens), hidden=hidden)
     new_state = ModelState(k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm),
                            hidden=_write_hidden(state.hidden, hidden, batch, final_only), replay=tuple(replay),
                            backlog=state.backlog)
@@ -101,8 +163,10 @@ def rebuild(weights: Weights, cfg: ModelConfig, state: ModelState, source: jax.A
     if not cfg.gdn_layers:
         return state
     mixers = [weights.layers[li].mixer for li in cfg.gdn_layers]
-    conv, ssm = gdn_rebuild(mixers, cfg, list(state.conv), list(state.ssm), list(state.replay), source, target,
-                            slot, n_keep)
+    tp = cfg.tensor_parallel
+    args = (list(state.conv), list(state.ssm), list(state.replay), source, target, slot, n_keep)
+    conv, ssm = (gdn_rebuild(mixers, cfg, *args) if tp is None
+                 else sharding.rebuild_block(tp, gdn_rebuild, mixers, *args))  # fmt: skip
     return dataclasses.replace(state, conv=tuple(conv), ssm=tuple(ssm),
                                hidden=scatter_planes(state.hidden, target, hidden))
 
@@ -118,7 +182,7 @@ def _write_hidden(pool: jax.Array, hidden: jax.Array, batch: StepBatch, final_on
 
 def _residual_ffn(layer: Layer, cfg: ModelConfig, x: jax.Array, valid: jax.Array) -> jax.Array:
     """x [B, T, E], valid [B, T] -> [B, T, E]."""
-    return x + ffn(layer.ffn, cfg, rms_normed(x, layer.post_norm, cfg.norm_eps), valid)
+    return x + _ffn(layer.ffn, cfg, x, layer.post_norm, valid)
 
 
 def mtp_forward(
@@ -133,27 +197,25 @@ def mtp_forward(
     vocab: logits for token ids below it only ([B, R, vocab]), a drafting vocabulary (see `jaxmodel.speculative`).
     """
     mtp: Mtp = weights.mtp
-    valid, u, h = _mtp_inputs(mtp, cfg, batch, hidden_in)
-    y, k_mtp, v_mtp = paged_attention(
-        mtp.layer.mixer, cfg, h, batch.positions, valid, batch.page_table, state.k_pages[-1], state.v_pages[-1]
-    )
+    valid, u = _mtp_inputs(mtp, cfg, batch, hidden_in)
+    y, k_mtp, v_mtp = _attention(mtp.layer.mixer, cfg, u, mtp.layer.attn_norm, batch.positions, valid,
+                                 batch.page_table, state.k_pages[-1], state.v_pages[-1])  # fmt: skip
     u = _residual_ffn(mtp.layer, cfg, u + y, valid)
     hidden = rms_norm(u, mtp.head_norm, cfg.norm_eps)
-    head = first_columns(mtp.head, vocab)
-    out = StepOutput(logits=_logits_at(hidden, batch.logit_rows, head, batch.n_tokens), hidden=hidden)
+    out = StepOutput(logits=_head(cfg, hidden, batch.logit_rows, mtp.head, batch.n_tokens, vocab), hidden=hidden)
     new_state = dataclasses.replace(state, k_pages=state.k_pages[:-1] + (k_mtp,),
                                     v_pages=state.v_pages[:-1] + (v_mtp,))
     return out, new_state
 
 
 def _mtp_inputs(mtp: Mtp, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array):
-    """The MTP block's valid tokens [B, T], its residual input u [B, T, E] and the attention's normed input."""
+    """The MTP block's valid tokens [B, T] and its residual input u [B, T, E] (the attention's input before its
+    norm)."""
     T = batch.tokens.shape[1]
     valid = jnp.arange(T)[None, :] < batch.n_tokens[:, None]
-    e = rms_norm(embedding_rows(mtp.embed, batch.tokens), mtp.enorm, cfg.norm_eps)
+    e = rms_norm(_embed(cfg, mtp.embed, batch.tokens), mtp.enorm, cfg.norm_eps)
     hh = rms_norm(hidden_in, mtp.hnorm, cfg.norm_eps)
-    u = linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj, live=valid)
-    return valid, u, rms_normed(u, mtp.layer.attn_norm, cfg.norm_eps)
+    return valid, linear(jnp.concatenate([e, hh], axis=-1), mtp.eh_proj, live=valid)
 
 
 def mtp_write_kv(weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in: jax.Array,
@@ -161,9 +223,9 @@ def mtp_write_kv(weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in
     """The MTP block's KV for (token, hidden_in) pairs as `mtp_forward` writes it, bit for bit, without attending,
     the FFN or the head: what a catch-up needs where no draft follows (a position's K and V depend on its own
     token and h_{t-1} only). Shapes as `mtp_forward`."""
-    valid, _, h = _mtp_inputs(weights.mtp, cfg, batch, hidden_in)
-    k_mtp, v_mtp = write_kv(weights.mtp.layer.mixer, cfg, h, batch.positions, valid, batch.page_table,
-                            state.k_pages[-1], state.v_pages[-1])  # fmt: skip
+    valid, u = _mtp_inputs(weights.mtp, cfg, batch, hidden_in)
+    k_mtp, v_mtp = _kv_write(weights.mtp.layer.mixer, cfg, u, weights.mtp.layer.attn_norm, batch.positions, valid,
+                             batch.page_table, state.k_pages[-1], state.v_pages[-1])  # fmt: skip
     return dataclasses.replace(state, k_pages=state.k_pages[:-1] + (k_mtp,), v_pages=state.v_pages[:-1] + (v_mtp,))
 
 
@@ -174,8 +236,30 @@ class Model:
         self.cfg = cfg
         self.weights = to_device(weights)
         self.path = path
-        self.step = jax.jit(functools.partial(forward, cfg=cfg), static_argnames="final_only", donate_argnames="state")
-        self.mtp_step = jax.jit(functools.partial(mtp_forward, cfg=cfg), donate_argnames="state")
+        tp = cfg.tensor_parallel
+        self.step = jax.jit(sharding.keeping_state_sharding(functools.partial(forward, cfg=cfg), tp),
+                            static_argnames="final_only", donate_argnames="state")
+        self.mtp_step = jax.jit(sharding.keeping_state_sharding(functools.partial(mtp_forward, cfg=cfg), tp),
+                                donate_argnames="state")
+
+    def sharded(self, n: int, devices=None) -> "Model":
+        """This model split over n devices (tensor parallelism, `jaxmodel.sharding`): its weights laid out and
+        placed on a 1-D mesh of the first n `devices` (default: `jax.devices()`), every block running per shard.
+        Block-quantized weights are dequantized and fused products split (the sharded path multiplies float
+        weights). ValueError where a head count or width does not divide over n."""
+        if self.cfg.tensor_parallel is not None:
+            raise ValueError("the model is sharded already")
+        tp = sharding.tensor_parallel(self.cfg, sharding.make_mesh(n, devices))
+        cfg = self.cfg.replace(tensor_parallel=tp)
+        weights = sharding.shard_weights(self.weights, self.cfg, tp, transpose=sharding.uses_row_kernel(self.weights))
+        return Model(cfg, weights, path=self.path)
+
+    @property
+    def state_cfg(self) -> ModelConfig:
+        """The config whose shapes the state pools have: the model's, except where a sharded model repeats KV or
+        GDN key heads on several devices (`sharding.TensorParallel.pools`)."""
+        tp = self.cfg.tensor_parallel
+        return self.cfg if tp is None else tp.pools
 
     @property
     def weights_bytes(self) -> int:
@@ -190,8 +274,15 @@ class Model:
     def new_state(self, n_pages: int, n_planes: int, page_size: int = 16, replay_slots: int = 0,
                   replay_tokens: int = 0, kv_dtype=jnp.float32, backlog_slots: int = 0,
                   backlog_tokens: int = 0) -> ModelState:
-        return init_state(self.cfg, n_pages, n_planes, page_size, kv_dtype=kv_dtype, replay_slots=replay_slots,
-                          replay_tokens=replay_tokens, backlog_slots=backlog_slots, backlog_tokens=backlog_tokens)
+        make = functools.partial(init_state, self.state_cfg, n_pages, n_planes, page_size, kv_dtype=kv_dtype,
+                                 replay_slots=replay_slots, replay_tokens=replay_tokens, backlog_slots=backlog_slots,
+                                 backlog_tokens=backlog_tokens)  # fmt: skip
+        tp = self.cfg.tensor_parallel
+        if tp is None:
+            return make()
+        # Zeroed in place on each device: a pool never exists whole on one.
+        specs = sharding.state_specs(jax.eval_shape(make))
+        return jax.jit(make, out_shardings=sharding.named(tp.mesh, specs))()
 
     def score(self, token_ids, chunk: int = 256) -> tuple[np.ndarray, np.ndarray]:
         """Logits [T, V] and post-norm hidden [T, E] of one fresh sequence, through the batched step.

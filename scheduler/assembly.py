@@ -58,7 +58,7 @@ def engine_pools(model: Model, budget_bytes: int, *, max_running: int, n_max: in
     cache's planes (PREFIX_CACHE_PLANES_PER_SEQUENCE per sequence, at most an eighth of the budget, and never so many
     that the pages left hold less than a sequence of max_model_len positions and a page per running sequence), and
     KV pages with the rest."""
-    cfg = model.cfg
+    cfg = model.state_cfg  # the pools' shapes: a sharded model may repeat KV and GDN key heads across devices
     plane_bytes = max(bytes_per_plane(cfg), 1)
     page_bytes = kv_bytes_per_page(cfg, page_size, kv_dtype)
     planes_per_seq = min(2 + n_max, max(2, budget_bytes // 2 // plane_bytes // max_running))

@@ -114,6 +114,7 @@ class Engine:
         kv_dtype: str = "float32",
         row_buckets: tuple[int, ...] = (),
         prefix_cache: bool = False,
+        tensor_parallel: int = 1,
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
@@ -132,7 +133,11 @@ class Engine:
         float16 KV cache"). row_buckets: the batch sizes the steps compile (`Shapes.row_buckets`; default: powers of
         4). prefix_cache: keep computed states at chosen prompt boundaries and finished turns' ends, inside
         the budget, for the requests that start with them (`scheduler.prefix_cache`; `gdnspec serve` turns it on
-        unless told --no-prefix-cache)."""
+        unless told --no-prefix-cache). tensor_parallel: split the target over this many devices
+        (`Model.sharded`, `jaxmodel.sharding`; a model sharded already is taken as it is); budget_bytes then counts
+        the pools of all of them, and the draft model stays on one device."""
+        if tensor_parallel > 1 and model.cfg.tensor_parallel is None:
+            model = model.sharded(tensor_parallel)
         parts = assemble(model, tokenizer=tokenizer, draft_model=draft_model, extra_drafters=extra_drafters,
                          budget_bytes=budget_bytes, max_running=max_running, max_model_len=max_model_len,
                          token_budget=token_budget, chunk_size=chunk_size, page_size=page_size, n_max=n_max,

@@ -20,6 +20,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..model import Model, rebuild
 from ..speculative import draft_chain, later_width, speculative_step
+from ..sharding import constrain_state, keeping_state_sharding
 from ..state import Row, StepOutput, bucket, bytes_per_plane, copy_state, pack_batch
 from .call_inputs import backlog_inputs, loop_inputs, replay_inputs, step_inputs
 from .costs import StepCosts
@@ -34,14 +35,26 @@ from .shapes import LOOP_MAX_TOKENS, Shapes, chunk_calls
 PER_ROW_REBUILD_MIN_BYTES = 4 << 20
 
 _copy_state = jax.jit(copy_state, donate_argnames="state")
+
+
+@functools.lru_cache(maxsize=None)
+def _state_copier(tp):
+    """`copy_state` jitted; for a sharded model (tp, a `sharding.TensorParallel`) returning the state placed as it
+    took it."""
+    if tp is None:
+        return _copy_state
+    return jax.jit(lambda state, planes, pages: constrain_state(copy_state(state, planes, pages), tp),
+                   donate_argnames="state")
 COPY_PAIRS_MIN = 4  # `Runtime.copy` pads its pairs to a power of two, at least this many
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(cfg: ModelConfig):
     """The jitted step, chain and replay rebuild (timed alone by `calibrate`) of a config, shared by every runtime
-    of it (so their compilations are too)."""
-    step = PackedCall(functools.partial(speculative_step, cfg=cfg),
+    of it (so their compilations are too). A sharded model's calls return the state placed as they took it
+    (`sharding.keeping_state_sharding`)."""
+    tp = cfg.tensor_parallel
+    step = PackedCall(keeping_state_sharding(functools.partial(speculative_step, cfg=cfg), tp),
                       static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab", "rebuild_rows",
                                        "lookup_width"))
 
@@ -49,8 +62,12 @@ def _compiled(cfg: ModelConfig):
         drafts, n_drafted, state = draft_chain(weights, cfg, state=state, **inputs)
         return (drafts, n_drafted), state
 
-    return step, PackedCall(chain, static_argnames=("n_max",)), jax.jit(functools.partial(rebuild, cfg=cfg),
-                                                                        donate_argnames="state")
+    def rebuilt(weights, state, *args, **kwargs):
+        state = rebuild(weights, cfg, state, *args, **kwargs)
+        return state if tp is None else constrain_state(state, tp)
+
+    return (step, PackedCall(keeping_state_sharding(chain, tp), static_argnames=("n_max",)),
+            jax.jit(rebuilt, donate_argnames="state"))
 
 
 class Runtime:
@@ -151,7 +168,7 @@ class Runtime:
                 out[: len(pairs)] = pairs
             return out
 
-        self.state = _copy_state(self.state, padded(planes), padded(pages))
+        self.state = _state_copier(self.model.cfg.tensor_parallel)(self.state, padded(planes), padded(pages))
 
     def _copy_counts(self) -> list[int]:
         """The padded pair counts `copy` compiles for: up to two plane copies per row (one into a sequence starting
