@@ -12,7 +12,7 @@ import pytest
 from api.client import Client
 from api.protocol import Defaults, Limits, ServerSettings
 from api.server import Server, listening
-from bench.prefix_cache import run_conversations
+from bench.prefix_cache import corpus_ids, run_conversations, summarize
 from conftest import DATA, ENGINE, plain_greedy
 from jaxmodel import load_model
 from jaxmodel.requests import SpeculativeConfig
@@ -147,10 +147,10 @@ def test_requests_sharing_a_system_prompt_start_from_its_state(model, tokenizer,
 
 
 def test_cached_prefixes_are_evicted_when_sequences_need_the_memory(model, tokenizer):
-    """Eight conversations at once, more than the cache has planes for and pages beside the running ones: cached
-    states are evicted (least recently used first); the turns that still find theirs start there, and every answer
-    is plain greedy."""
-    firsts = ["import os\n", "def f(x):\n", "class B:\n", "x = [", "for i in", "while 1:", "try:\n", "with a:"]
+    """Four conversations at once, keeping two states a turn, more than the cache has planes for: cached states are
+    evicted (least recently used first); the turns that still find theirs start there, and every answer is plain
+    greedy."""
+    firsts = ["import os\n", "def f(x):\n", "class B:\n", "x = ["]
     engine, results = run(model, tokenizer, SpeculativeConfig(("mtp",), n_max=3), firsts)
     check_lossless(model, tokenizer, results)
     assert engine.scheduler.prefix_evictions > 0 and engine.scheduler.prefix_hits > 0
@@ -167,24 +167,39 @@ def test_a_qwen3next_next_turn_decodes_plain_greedy():
 
 
 def test_the_server_reports_cached_tokens_and_the_caches_counts(model, tokenizer):
-    """Over loopback: a next turn's done frame counts the prompt tokens taken over, and `stats` the cache's."""
+    """Over loopback with `bench.prefix_cache`'s client: each turn resends the conversation so far (the earlier
+    prompts and the server's answers) and a new message; a next turn's done frame counts the prompt tokens it took
+    from the cache, and `stats` the cache's counts; the bench's summary sums each turn's tokens."""
     settings = ServerSettings(defaults=Defaults(drafters=(), max_tokens=4),
                               limits=Limits(max_prompt_tokens=63, max_max_tokens=64, known_drafters=("ngram", "mtp")))
+    system, user, answer, turns = 10, 5, 4, 3
 
     async def main():
         engine = Engine(model, tokenizer=tokenizer, prefix_cache=True, **CACHE_ENGINE)
         async with engine, listening(Server(engine, tokenizer, settings)) as (url, _):
-            turns = await run_conversations(url, tokenizer, conversations=1, turns=2, system_tokens=10,
-                                            user_tokens=5, max_tokens=4)
+            results = await run_conversations(url, tokenizer, conversations=2, turns=turns, system_tokens=system,
+                                              user_tokens=user, max_tokens=answer)
             async with Client(url) as client:
-                return turns, await client.stats()
+                return results, await client.stats()
 
-    [(first, second)], stats = anyio.run(main)
-    assert first["cached_tokens"] == 0
-    assert second["cached_tokens"] == first["prompt_tokens"] + first["answer_tokens"] - 1
-    assert second["prefilled_tokens"] == second["prompt_tokens"] - second["cached_tokens"]
-    assert stats.cached_prefixes == stats.cached_planes >= 2 and stats.prefix_hits == 1  # both turns' ends
-    assert stats.prefix_tokens == second["cached_tokens"]
+    results, stats = anyio.run(main)
+    assert len(results) == 2 and all(len(conversation) == turns for conversation in results)
+    for conversation in results:
+        expected = system
+        for turn in conversation:
+            expected += user
+            assert turn["prompt_tokens"] == expected  # everything before it, then the new message
+            assert 1 <= turn["answer_tokens"] <= answer and turn["ttft_ms"] > 0
+            expected += turn["answer_tokens"]
+        assert conversation[0]["cached_tokens"] == 0
+        for before, turn in zip(conversation, conversation[1:]):
+            assert turn["cached_tokens"] == before["prompt_tokens"] + before["answer_tokens"] - 1
+            assert turn["prefilled_tokens"] == turn["prompt_tokens"] - turn["cached_tokens"]
+    summary = summarize(results)
+    assert [t["prompt_tokens"] for t in summary] == [sum(c[k]["prompt_tokens"] for c in results) for k in range(turns)]
+    assert len(corpus_ids(tokenizer, 300, 1000)) == 300  # the corpus repeats as far as asked
+    assert stats.cached_prefixes == stats.cached_planes >= 2 and stats.prefix_hits == 4
+    assert stats.prefix_tokens == sum(turn["cached_tokens"] for conversation in results for turn in conversation)
     assert stats.pages_free + stats.cached_pages == stats.pages_total
     assert stats.planes_free + stats.cached_planes == stats.planes_total
 
