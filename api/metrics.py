@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from scheduler import RequestTiming
@@ -38,7 +38,7 @@ class _LoadCollector(Collector):
         self.load = load
         self.in_flight = in_flight
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         load = self.load()
         yield GaugeMetricFamily(PREFIX + "num_requests_running", "Sequences holding memory in the engine.",
                                 value=load.running)
@@ -54,6 +54,12 @@ class _LoadCollector(Collector):
                                 value=load.planes_total - load.planes_free)
         yield GaugeMetricFamily(PREFIX + "gdn_planes_total", "GDN state planes that can be handed out.",
                                 value=load.planes_total)
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_states", "States the prefix cache keeps (a GDN plane each).",
+                                value=load.cached_prefixes)
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_kv_pages", "KV pages the prefix cache's states hold.",
+                                value=load.cached_pages)
+        yield CounterMetricFamily(PREFIX + "prefix_cache_evictions", "Cached states evicted, for memory or for a "
+                                  "newer state.", value=load.prefix_evictions)
 
 
 class Metrics:
@@ -77,6 +83,11 @@ class Metrics:
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose token at this position (0, 1, ...) was accepted.", ["drafter", "position"],
             registry=registry)
+        # vLLM's names: prompt tokens looked up in the prefix cache, and those found there.
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens of finished requests, looked "
+                                      "up in the prefix cache.", registry=registry)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens finished requests took from the "
+                                   "prefix cache.", registry=registry)
         self.rollback_steps = Counter(PREFIX + "spec_decode_rollback_steps",
                                       "Verify steps by the rollback mode they ran in.", ["mode"], registry=registry)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to first token.",
@@ -93,6 +104,8 @@ class Metrics:
         end = timing.finished or time.perf_counter()
         self.prompt_tokens.inc(done.usage.prompt_tokens)
         self.generation_tokens.inc(done.usage.completion_tokens)
+        self.prefix_queries.inc(done.usage.prompt_tokens)
+        self.prefix_hits.inc(done.usage.cached_tokens)
         self.requests.labels(done.finish_reason).inc()
         for name, stats in done.spec.drafters.items():
             self.drafts.labels(name).inc(stats.drafts)

@@ -155,6 +155,8 @@ def test_metrics_counters_are_the_sums_of_the_requests_done_statistics(live):
 
     assert moved("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert moved("generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert moved("prefix_cache_queries_total") == sum(u.prompt_tokens for u in usages)
+    assert moved("prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages)
     assert moved("request_success_total", finished_reason="length") + moved(
         "request_success_total", finished_reason="stop") == 3
     drafted = {}
@@ -180,6 +182,10 @@ def test_metrics_counters_are_the_sums_of_the_requests_done_statistics(live):
     assert after[("gdnspec:kv_pages_total", ())] == live.engine.load().pages_total > 0
     assert after[("gdnspec:gdn_planes_total", ())] == live.engine.load().planes_total > 0
     assert after[("gdnspec:num_requests_running", ())] == after[("gdnspec:num_requests_waiting", ())] == 0
+    load = live.engine.load()
+    assert after[("gdnspec:prefix_cache_states", ())] == load.cached_prefixes
+    assert after[("gdnspec:prefix_cache_kv_pages", ())] == load.cached_pages
+    assert after[("gdnspec:prefix_cache_evictions_total", ())] == load.prefix_evictions
 
 
 def _post(live, path, body, headers=None):
