@@ -42,7 +42,7 @@ from itertools import islice
 
 from .grants import grant_drafts, hold_lookahead
 from .memory import MemoryManager, RollbackCosts, pages_for
-from .prefix_cache import CachedPrefix, PrefixCache
+from .prefix_cache import CachedPrefix, PrefixCache, chain_hashes
 from .sequence import Burst, RowSpec, SequenceState
 from .types import (Committed, Continued, Detokenizer, DoneEvent, DraftPlan, Event,
                     FinishReason, PlannedRow, Request, SeqId, StepPlan, TokensEvent)
@@ -127,6 +127,13 @@ class Scheduler:
     def request(self, seq_id: SeqId) -> Request:
         """The request of a live sequence."""
         return self._seqs[seq_id].request
+
+    def cached_length(self, prompt: Sequence[int]) -> int:
+        """Tokens of `prompt` a request would take from the prefix cache now (0 without one)."""
+        if self.prefix_cache is None:
+            return 0
+        entry = self.prefix_cache.match(prompt, chain_hashes(prompt, self.memory.page_size), touch=False)
+        return len(entry.tokens) if entry is not None else 0
 
     def remaining(self, seq_id: SeqId) -> int:
         """Tokens the sequence may still commit before it ends by length (max_tokens or the context length)."""

@@ -109,9 +109,9 @@ class PrefixCache:
         self._entries[entry.tokens] = entry
         self._by_chain.setdefault(self._chain_key(entry.tokens), []).append(entry)
 
-    def match(self, prompt: Sequence[int], hashes: Sequence[int]) -> CachedPrefix | None:
+    def match(self, prompt: Sequence[int], hashes: Sequence[int], touch: bool = True) -> CachedPrefix | None:
         """The longest entry whose tokens begin `prompt` and leave at least one of its tokens to feed (the step
-        needs the last one's logits), now most recently used. hashes: `chain_hashes(prompt)`."""
+        needs the last one's logits), now most recently used unless not `touch`. hashes: `chain_hashes(prompt)`."""
         for k in range(min(len(hashes), (len(prompt) - 1) // self.page_size), -1, -1):
             best = None
             for entry in self._by_chain.get(hashes[k - 1] if k else ROOT_HASH, ()):
@@ -119,7 +119,8 @@ class PrefixCache:
                 if n < len(prompt) and (best is None or n > len(best.tokens)) and tuple(prompt[:n]) == entry.tokens:
                     best = entry
             if best is not None:
-                self._entries.move_to_end(best.tokens)
+                if touch:
+                    self._entries.move_to_end(best.tokens)
                 return best
         return None
 

@@ -4,10 +4,10 @@ On a 2-core CPU one engine's device call uses the second core only inside its ke
 them run on one core while the other waits (docs/performance.md, "Two engines side by side"). Two engines, each with
 half the rows and half the memory budget, run their steps in worker threads of their own at the same time (JAX
 releases the GIL while a call runs), so each core works through its own rows. Requests wait in one queue, first
-come first served, until some engine has a free row; a request then runs on the engine with the fewest requests in
-flight (of those, the one with the most free pages), for its whole life: its pages and planes live in that
-engine's pools. A row's tokens do not depend on its batch (`tests/test_batch_invariance.py`), so they are the ones
-a single engine would give.
+come first served, until some engine has a free row; a request then runs on the engine whose prefix cache holds
+the longest start of its prompt, or else the one with the fewest requests in flight (of those, the one with the
+most free pages), for its whole life: its pages and planes live in that engine's pools. A row's tokens do not
+depend on its batch (`tests/test_batch_invariance.py`), so they are the ones a single engine would give.
 """
 
 from __future__ import annotations
@@ -102,11 +102,13 @@ class Replicas:
     async def __aexit__(self, *exc) -> None:
         await self._stack.__aexit__(*exc)
 
-    def least_busy(self) -> Engine:
-        """The engine a request that holds a row goes to: of those with a free row, the one with the fewest requests
-        in flight, then the most free pages (the first on ties)."""
+    def least_busy(self, prompt: Sequence[int] = ()) -> Engine:
+        """The engine a request that holds a row goes to: of those with a free row, the one whose prefix cache holds
+        the longest start of `prompt` (a conversation's next turn goes where its last turn's state is), then the
+        one with the fewest requests in flight, then the most free pages (the first on ties)."""
         free = [engine for engine in self.engines if engine.n_in_flight < engine.max_running] or self.engines
-        return min(free, key=lambda engine: (engine.n_in_flight, -engine.memory.free_pages))
+        return min(free, key=lambda engine: (-engine.scheduler.cached_length(prompt) if prompt else 0,
+                                             engine.n_in_flight, -engine.memory.free_pages))
 
     async def generate(self, request: GenerationRequest, timing: RequestTiming | None = None
                        ) -> AsyncIterator[TokensEvent | DoneEvent]:
@@ -119,7 +121,7 @@ class Replicas:
         holder = object()  # a token per request: one task may stream several requests
         await self._rows.acquire_on_behalf_of(holder)
         try:
-            async with aclosing(self.least_busy().generate(request, timing)) as events:
+            async with aclosing(self.least_busy(request.prompt_ids).generate(request, timing)) as events:
                 async for event in events:
                     yield event
         finally:
