@@ -403,15 +403,19 @@ class Scheduler:
 
     def _plan_saves(self, seq: SequenceState) -> None:
         """Where a just-admitted sequence keeps its state for later requests, past what it starts with: the end of
-        the longest run of blocks its prompt shares with an earlier one, and the end of its prompt's last block
-        before the prompt's last token; then its prompt's blocks are noted for later prompts."""
+        the longest run of blocks its prompt shares with an earlier one (where a shared system prompt ends), and the
+        last end of a whole prompt chunk before the prompt's last token (where its rows end anyway, so that keeping
+        it costs no step: a prompt that fits one chunk keeps none); then its prompt's blocks are noted for later
+        prompts."""
         seq.save_points = []
         if self.prefix_cache is None:
             return
-        page_size = self.memory.page_size
-        hashes = seq.hashes(page_size)[: (len(seq.request.prompt) - 1) // page_size]
-        points = {self.prefix_cache.shared_blocks(hashes) * page_size, len(hashes) * page_size}
-        seq.save_points = sorted(p for p in points if seq.n_computed < p < len(seq.request.prompt))
+        page_size, prompt = self.memory.page_size, len(seq.request.prompt)
+        hashes = seq.hashes(page_size)[: (prompt - 1) // page_size]
+        shared = self.prefix_cache.shared_blocks(hashes) * page_size
+        base = shared if seq.n_computed < shared < prompt else seq.n_computed
+        points = {shared, base + (prompt - 1 - base) // self.chunk_size * self.chunk_size}
+        seq.save_points = sorted(p for p in points if seq.n_computed < p < prompt)
         self.prefix_cache.note(hashes)
 
     def _until_save(self, seq: SequenceState) -> tuple[int, ...]:

@@ -6,10 +6,11 @@ kept at that exact position. So the cache holds states at chosen positions, each
 GDN state and the target's hidden state there (what the MTP head pairs with the next token), and a holder's share
 of the KV pages of every position before it. A sequence keeps one at
 - the end of its computed tokens when it finishes (stop or length): the next turn continues there;
-- the end of its prompt's last full page (block) before the prompt's last token: the same prompt again;
-- the longest run of full blocks its prompt shares with a prompt seen before (`PrefixCache.shared_blocks`): the
-  boundary where two prompts part, such as the end of a shared system prompt, so that the third and later
-  requests starting with it find a state there.
+- the end of the longest run of full pages (blocks) its prompt shares with a prompt seen before
+  (`PrefixCache.shared_blocks`): the boundary where two prompts part, such as the end of a shared system prompt, so
+  that the third and later requests starting with it find a state there;
+- the start of its prompt's last chunk, when the prompt takes several (the same prompt again, a next turn whose
+  template rewrote the last answer): its rows end there anyway, so keeping it costs no step.
 
 A request starts from the longest entry its prompt extends (`match`): its first plane becomes a copy of the entry's,
 it shares the entry's pages but the one holding the entry's last position, which it copies (the MTP head writes its
