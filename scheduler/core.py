@@ -128,6 +128,10 @@ class Scheduler:
         """The request of a live sequence."""
         return self._seqs[seq_id].request
 
+    def generated(self, seq_id: SeqId) -> int:
+        """Tokens a live sequence has generated so far."""
+        return self._seqs[seq_id].n_generated
+
     def cached_length(self, prompt: Sequence[int]) -> int:
         """Tokens of `prompt` a request would take from the prefix cache now (0 without one)."""
         if self.prefix_cache is None:

@@ -180,8 +180,13 @@ class Speculator:
         """Iterations for this step's call. All it may (`_iterations`) while no request waits or arrives; with every
         row taken, until the first row that can end by length does (nothing waiting or arriving can start before a
         row frees, and a row that ends sooner, at a stop token, holds the next one back for at most a call); one
-        otherwise, so that a request waiting for memory or for the step's token budget is taken at the next step."""
+        otherwise, so that a request waiting for memory or for the step's token budget is taken at the next step.
+        One, too, when a row computes a request's first token from several fed tokens (the rest of its prompt): such a
+        row does not loop, and its first token would otherwise wait for the whole call."""
         most = self._iterations(len(plan.rows))
+        if any(row.needs_logits and len(row.fed) > 1 and self.scheduler.generated(row.seq_id) == 0
+               for row in plan.rows):
+            return 1  # a request's first token (its row cannot loop) streams now, not after the others' iterations
         if quiet and not self.scheduler.n_waiting:
             return most
         if self.scheduler.n_running >= self.scheduler.max_running:
