@@ -77,17 +77,18 @@ def _checks() -> dict:
                 report["n_layer"] = sharded.cfg.n_layer
         if name not in EXPERT_LAYOUTS:
             continue
-        short_logits, _ = model.score(tokens[:3])
+        short_logits, _ = model.score(tokens[:3]) if name == ENGINE_MODEL else (None, None)
         for groups, n in EXPERT_LAYOUTS[name]:
             sharded = model.sharded(n, expert_parallel=groups)
             layout = f"{name}/ep{groups}xtp{n}"
             got, _ = sharded.score(tokens)
             report["expert_logits"][layout] = [float(np.abs(got - logits).max()), float(np.abs(logits).max())]
-            got, text = _short_step(sharded, tokens[:3])
-            report["expert_logits"][f"{layout}/short"] = [float(np.abs(got - short_logits).max()),
-                                                          float(np.abs(short_logits).max())]
-            report["expert_collectives"][layout] = count_collectives(text)
-            report["expert_n_layer"][layout] = sharded.cfg.n_layer
+            if name == ENGINE_MODEL:
+                got, text = _short_step(sharded, tokens[:3])
+                report["expert_logits"][f"{layout}/short"] = [float(np.abs(got - short_logits).max()),
+                                                              float(np.abs(short_logits).max())]
+                report["expert_collectives"][layout] = count_collectives(text)
+                report["expert_n_layer"][layout] = sharded.cfg.n_layer
 
     model = models[ENGINE_MODEL]
     rng = np.random.default_rng(0)
@@ -264,16 +265,17 @@ def test_sharded_engine_is_lossless_for_every_drafter_and_rollback_mode(report):
 
 def test_expert_parallel_logits_match_one_device(report):
     """Routed experts split over 2 and 4 groups (alone, and with tensor parallelism in each group), for steps of
-    many tokens (grouped expert products) and of few (gathered)."""
+    many tokens (grouped expert products) and, on the tiny qwen3next, of few (gathered)."""
     want = {f"{name}/ep{groups}xtp{n}{label}" for name, layouts in EXPERT_LAYOUTS.items() for groups, n in layouts
-            for label in ("", "/short")}
+            for label in ("", "/short") if not label or name == ENGINE_MODEL}
     assert set(report["expert_logits"]) == want
     for layout, (difference, scale) in report["expert_logits"].items():
         assert difference <= LOGITS_TOLERANCE, (layout, difference, scale)
 
 
 def test_expert_parallelism_adds_one_all_reduce_per_moe_layer_and_no_all_to_all(report):
-    """Experts alone (tp 1): one all-reduce per MoE layer (every layer of these models) and nothing else. With
+    """The tiny qwen3next's forward. Experts alone (tp 1): one all-reduce per MoE layer (every layer) and nothing
+    else. With
     tensor parallelism: the experts' sum is the FFN's own all-reduce, over both axes, so the count is tensor
     parallelism's."""
     for layout, counts in report["expert_collectives"].items():
@@ -315,11 +317,13 @@ def _wait_listening(port: int, processes, deadline: float) -> None:
     raise AssertionError(f"nothing listens on {port}")
 
 
-def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(report):
+def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(report, tmp_path):
     """Two processes on loopback (`jax.distributed`, gloo CPU collectives), one host device each, one mesh of two
     (tensor parallel 2): process 0 serves a request over the websocket with the tokens one device's plain greedy
-    decoding gives (MTP and n-gram drafting, the server's default); then the follower is killed, and process 0
-    ends with the follower's exit code and a line naming it rather than waiting on its collectives."""
+    decoding gives; then the follower is killed, and process 0 ends with FOLLOWER_GONE_EXIT and a line naming it
+    rather than waiting on its collectives. Plain decoding, one iteration per call: the fewest step shapes, which
+    the follower compiles for itself (the compilation cache serves only process 0); drafting through the sharded
+    step is checked on one process above."""
     import anyio
 
     from api.client import Client
@@ -330,12 +334,13 @@ def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(
     prompt, want = report["prompts"][1], report["references"][1]  # one device's plain greedy tokens
     coordinator, port = _free_port(), _free_port()
     root = Path(__file__).parent.parent
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "GDNSPEC_CACHE": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     env.pop("XLA_FLAGS", None)  # one host device each
     command = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_path), "--tensor-parallel", "2",
                "--num-processes", "2", "--coordinator", f"127.0.0.1:{coordinator}", "--port", str(port),
-               "--budget-mb", "4", "--max-seqs", "2", "--max-model-len", "64", "--max-n-max", "3"]
+               "--budget-mb", "4", "--max-seqs", "2", "--max-model-len", "64", "--default-drafters", "none",
+               "--iterations", "1"]
     processes = [subprocess.Popen(command + ["--process-id", str(i)], env=env, cwd=root, text=True,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
     try:
