@@ -1,9 +1,11 @@
 """Tensor and expert parallelism (`jaxmodel.sharding`) on 2 and 4 CPU devices against one device: logits, the
 collectives of the compiled steps, and greedy output through the engine for plain decoding and every drafter and
-rollback mode (tensor parallel), plain decoding and MTP drafting (expert parallel, with and without tensor parallel).
+rollback mode (tensor parallel), plain decoding and MTP drafting (expert parallel, in groups of tensor-parallel
+devices); and two processes (`jaxmodel.multiprocess`) serving as one.
 
 The suite's process keeps one device, so the checks run in one subprocess with 4 forced host devices
-(--xla_force_host_platform_device_count) and report back as JSON; the tests below read its report."""
+(--xla_force_host_platform_device_count) and report back as JSON; the tests below read its report. The two
+processes are servers of their own, one host device each."""
 
 from __future__ import annotations
 
