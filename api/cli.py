@@ -172,6 +172,13 @@ def _serve(args) -> int:
             raise SystemExit("gdnspec: --num-processes N needs --coordinator HOST:PORT, a --process-id below N, and "
                              "no --warmup-first (steps compile on first use)")
         multiprocess.initialize(args.coordinator, args.num_processes, args.process_id)
+        import jax
+
+        mesh = args.tensor_parallel * args.expert_parallel
+        if mesh != jax.device_count() or args.replicas > 1:
+            raise SystemExit(f"gdnspec: --num-processes {args.num_processes}: --tensor-parallel x --expert-parallel "
+                             f"({mesh}) must be every process's devices together ({jax.device_count()}), with no "
+                             f"--replicas")
     engine, tokenizer = _build_engine(args)  # first: a file that cannot serve is refused before anything else
     _use_compile_cache()
     leader = None

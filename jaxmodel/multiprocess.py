@@ -34,6 +34,7 @@ log = logging.getLogger("gdnspec.multiprocess")
 MIRRORED = ("step", "forward", "chain", "copy", "release_backlog")
 FOLLOWER_GONE_EXIT = 70
 _ADDRESS_KEY, _AUTHKEY_KEY = "gdnspec/mirror/address", "gdnspec/mirror/authkey"
+_READY_BARRIER = "gdnspec/mirror/ready"
 RENDEZVOUS_TIMEOUT_MS = 120_000
 
 
@@ -45,6 +46,7 @@ def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
 
 
 def _client():
+    """The coordination service's client `jax.distributed.initialize` made (JAX exports no accessor for it)."""
     from jax._src import distributed
 
     client = distributed.global_state.client
@@ -65,6 +67,8 @@ class Leader:
             client = _client()
             client.key_value_set_bytes(_AUTHKEY_KEY, authkey)
             client.key_value_set(_ADDRESS_KEY, address)
+            # Every follower has built its engine (accept, which cannot time out, then waits only for live ones).
+            client.wait_at_barrier(_READY_BARRIER, RENDEZVOUS_TIMEOUT_MS)
             self.followers: dict[int, Connection] = {}
             while len(self.followers) < n_followers:
                 connection = listener.accept()
@@ -112,6 +116,7 @@ def follow(runtime) -> None:
     """A follower's loop: run on runtime each call process 0 sends, until it says stop. Ends the process when
     process 0 is gone; a call that fails is reported to process 0 (which stops) and re-raised."""
     client = _client()
+    client.wait_at_barrier(_READY_BARRIER, RENDEZVOUS_TIMEOUT_MS)
     authkey = client.blocking_key_value_get_bytes(_AUTHKEY_KEY, RENDEZVOUS_TIMEOUT_MS)
     host, port = client.blocking_key_value_get(_ADDRESS_KEY, RENDEZVOUS_TIMEOUT_MS).rsplit(":", 1)
     with Client((host, int(port)), authkey=authkey) as connection:

@@ -61,7 +61,7 @@ class TensorParallel:
     widths; n_expert stays the model's, the router's width, a shard's own experts being its weights' leading
     axis), which the blocks run under inside `shard_map`; `pools` the config whose shapes the state pools have
     globally (repeated KV and key heads counted). `vocab_split`: the embedding and output head are split over the
-    vocabulary (else replicated: a vocabulary that does not divide)."""
+    vocabulary (else replicated: a vocabulary that does not divide, or one device along AXIS)."""
 
     mesh: Mesh
     local: ModelConfig
