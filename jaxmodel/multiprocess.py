@@ -74,6 +74,7 @@ class Leader:
                 connection = listener.accept()
                 self.followers[connection.recv()] = connection
         self._lock = threading.Lock()
+        self._closing = False
         for process_id, connection in self.followers.items():
             threading.Thread(target=self._watch, args=(process_id, connection), daemon=True,
                              name=f"gdnspec-follower-{process_id}").start()
@@ -83,6 +84,8 @@ class Leader:
             why = connection.recv()  # a follower sends only the error that ends it
         except (EOFError, OSError) as exc:
             why = f"its connection closed ({type(exc).__name__})"
+        if self._closing:  # told to stop by `close`
+            return
         log.critical("follower process %d ended: %s; every step needs its devices, so this server stops",
                      process_id, why)
         logging.shutdown()
@@ -105,6 +108,7 @@ class Leader:
     def close(self) -> None:
         """Tell the followers to stop (they return from `follow`)."""
         with self._lock:
+            self._closing = True
             for connection in self.followers.values():
                 try:
                     connection.send(None)
