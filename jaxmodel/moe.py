@@ -105,7 +105,7 @@ def routed_grouped(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array, 
     A = N * k
     tile = tile or group_tile(A, X)
     expert = top_i.reshape(A)
-    n_sorted = X  # the experts pairs sort into: the device's own, then (expert parallelism) the others as one
+    n_sorted = X  # the experts the pairs sort into: the device's own, then (expert parallelism) the others as one
     if owned is not None:
         expert, n_sorted = jnp.where(owned.reshape(A), expert, X), X + 1
     order = jnp.argsort(expert, stable=True)  # [A] pairs sorted by expert
