@@ -42,8 +42,9 @@ def _build_engine(args):
 
     if args.replicas < 1:
         raise SystemExit(f"gdnspec: --replicas {args.replicas}: at least 1")
-    if args.tensor_parallel < 1 or (args.tensor_parallel > 1 and args.replicas > 1):
-        raise SystemExit(f"gdnspec: --tensor-parallel {args.tensor_parallel}: at least 1, and 1 with --replicas")
+    for flag, value in (("--tensor-parallel", args.tensor_parallel), ("--expert-parallel", args.expert_parallel)):
+        if value < 1 or (value > 1 and args.replicas > 1):
+            raise SystemExit(f"gdnspec: {flag} {value}: at least 1, and 1 with --replicas")
     model_path, draft_path = _model_paths(args)
     try:  # a file that cannot serve is the user's to fix: one line naming it and what is wrong, no traceback
         quantized = False if args.dequantize_at_load else None
@@ -55,11 +56,12 @@ def _build_engine(args):
             draft = load_model(draft_path, load_mtp=False, weight_dtype=args.weight_dtype, quantized=quantized)
     except ValueError as exc:  # ModelFormatError, or a draft model of another vocabulary
         raise SystemExit(f"gdnspec: cannot load the model: {exc}") from None
-    if args.tensor_parallel > 1:
-        try:  # fewer devices than asked, or heads that do not split over them
-            model = model.sharded(args.tensor_parallel)
+    if args.tensor_parallel > 1 or args.expert_parallel > 1:
+        try:  # fewer devices than asked, heads or experts that do not split over them
+            model = model.sharded(args.tensor_parallel, expert_parallel=args.expert_parallel)
         except ValueError as exc:
-            raise SystemExit(f"gdnspec: cannot split the model over {args.tensor_parallel} devices: {exc}") from None
+            raise SystemExit(f"gdnspec: cannot split the model over {args.tensor_parallel} x {args.expert_parallel} "
+                             f"devices: {exc}") from None
     engine_args = dict(
         tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
@@ -88,6 +90,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="split the target over this many devices (jaxmodel.sharding: heads, FFN columns and the "
                         "vocabulary; --budget-mb counts all of them); on CPU, XLA_FLAGS="
                         "--xla_force_host_platform_device_count=N makes N host devices")
+    p.add_argument("--expert-parallel", type=int, default=1,
+                   help="split a MoE target's routed experts over this many groups of --tensor-parallel devices "
+                        "(each group holds n_expert / M whole experts, and a copy of the rest as --tensor-parallel "
+                        "splits it; --budget-mb counts one group)")
     p.add_argument("--max-model-len", type=int, default=2048, help="positions per sequence")
     p.add_argument("--max-n-max", type=int, default=16, help="longest draft any request may ask for")
     p.add_argument("--fixed-policy", action="store_true",
@@ -158,8 +164,30 @@ def _serve(args) -> int:
     from api.templates import TemplateLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    several = args.num_processes > 1
+    if several:
+        from jaxmodel import multiprocess
+
+        if args.coordinator is None or not 0 <= args.process_id < args.num_processes or args.warmup_first:
+            raise SystemExit("gdnspec: --num-processes N needs --coordinator HOST:PORT, a --process-id below N, and "
+                             "no --warmup-first (steps compile on first use)")
+        multiprocess.initialize(args.coordinator, args.num_processes, args.process_id)
+        import jax
+
+        mesh = args.tensor_parallel * args.expert_parallel
+        if mesh != jax.device_count() or args.replicas > 1:
+            raise SystemExit(f"gdnspec: --num-processes {args.num_processes}: --tensor-parallel x --expert-parallel "
+                             f"({mesh}) must be every process's devices together ({jax.device_count()}), with no "
+                             f"--replicas")
     engine, tokenizer = _build_engine(args)  # first: a file that cannot serve is refused before anything else
     _use_compile_cache()
+    leader = None
+    if several:
+        if args.process_id > 0:  # a follower: the same engine's runtime, driven by process 0's calls
+            multiprocess.follow(engine.runtime)
+            return 0
+        leader = multiprocess.Leader(multiprocess.listen_host(args.coordinator))
+        leader.mirror(engine.runtime)
     known = tuple(name for name in engine.drafters if name != "synthetic")
     drafters = tuple(d for d in args.default_drafters.split(",") if d) if args.default_drafters != "none" else ()
     try:
@@ -179,7 +207,7 @@ def _serve(args) -> int:
         n_shapes = engine.warmup(threads=args.compile_threads)
         logging.getLogger("gdnspec").info("warm-up: %d step shapes ready in %.1f s", n_shapes,
                                           time.perf_counter() - start)  # fmt: skip
-    else:
+    elif not several:  # warm-up and calibration run device calls that the followers do not mirror
         engine.background_warmup = True
     try:
         templates = TemplateLimits(seconds=args.template_seconds, memory_mb=args.template_memory_mb,
@@ -213,7 +241,11 @@ def _serve(args) -> int:
 
     log = logging.getLogger("gdnspec")
     stopping: list[float] = []
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    finally:
+        if leader is not None:
+            leader.close()
     return 0
 
 
@@ -383,6 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                "model file's name without .gguf)")
     p.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="seconds in-flight requests get to send their done frames on SIGINT/SIGTERM")
+    p.add_argument("--num-processes", type=int, default=1,
+                   help="processes that together hold the mesh (jax.distributed; each with its local devices, "
+                        "--tensor-parallel x --expert-parallel counting all of them); run the same command in each "
+                        "with its --process-id: process 0 serves, the others follow its steps")
+    p.add_argument("--process-id", type=int, default=0, help="this process's index, with --num-processes")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="with --num-processes: process 0's address for jax.distributed's coordination service")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("generate", help="generate over a server (--url) or in-process (--model)")

@@ -81,8 +81,8 @@ def _gdn_normed(w, cfg, x, norm, valid, n_tokens, conv, ssm, read_plane, write_p
                      write_planes, final_only, replay, slot, first)
 
 
-def _ffn_normed(w, cfg, x, norm, valid):
-    return ffn(w, cfg, rms_normed(x, norm, cfg.norm_eps), valid)
+def _ffn_normed(w, cfg, x, norm, valid, **experts):
+    return ffn(w, cfg, rms_normed(x, norm, cfg.norm_eps), valid, **experts)
 
 
 def _attention(w, cfg: ModelConfig, x, norm, *args):
@@ -242,14 +242,15 @@ class Model:
         self.mtp_step = jax.jit(sharding.keeping_state_sharding(functools.partial(mtp_forward, cfg=cfg), tp),
                                 donate_argnames="state")
 
-    def sharded(self, n: int, devices=None) -> "Model":
-        """This model split over n devices (tensor parallelism, `jaxmodel.sharding`): its weights laid out and
-        placed on a 1-D mesh of the first n `devices` (default: `jax.devices()`), every block running per shard.
-        Block-quantized weights are dequantized and fused products split (the sharded path multiplies float
-        weights). ValueError where a head count or width does not divide over n."""
+    def sharded(self, n: int, devices=None, expert_parallel: int = 1) -> "Model":
+        """This model split over n devices (tensor parallelism, `jaxmodel.sharding`), and its routed experts
+        besides over expert_parallel groups of n (expert parallelism; a MoE model): its weights laid out and placed
+        on a mesh of the first n x expert_parallel `devices` (default: `jax.devices()`), every block running per
+        shard. Block-quantized weights are dequantized and fused products split (the sharded path multiplies float
+        weights). ValueError where a head count, width or the expert count does not divide."""
         if self.cfg.tensor_parallel is not None:
             raise ValueError("the model is sharded already")
-        tp = sharding.tensor_parallel(self.cfg, sharding.make_mesh(n, devices))
+        tp = sharding.tensor_parallel(self.cfg, sharding.make_mesh(n, devices, expert_parallel))
         cfg = self.cfg.replace(tensor_parallel=tp)
         weights = sharding.shard_weights(self.weights, self.cfg, tp, transpose=sharding.uses_row_kernel(self.weights))
         return Model(cfg, weights, path=self.path)

@@ -9,6 +9,10 @@ experts by index; for longer steps it sorts the (token, expert) pairs by expert 
 expert's weights per tile of rows, so each routed expert's weights are read about once per step however many of
 its tokens there are. `jax.lax.ragged_dot` is the library's grouped matmul, but XLA's CPU backend lowers it to a
 product masked over every expert, dearer than the dense form (bench/moe.py), hence the tiles.
+
+Under expert parallelism (`jaxmodel.sharding`) a device holds a consecutive share of the experts: it routes every
+token, runs only the pairs routed to its own experts (the others are skipped, not computed and zeroed), and the
+caller sums the devices' outputs.
 """
 
 from __future__ import annotations
@@ -60,13 +64,23 @@ def _expert_swiglu(w: MoeFfn, expert: jax.Array, x: jax.Array) -> jax.Array:
     return linear(jax.nn.silu(gate) * linear(x, w.up[expert]), w.down[expert])
 
 
-def routed_gathered(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array) -> jax.Array:
+def routed_gathered(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array,
+                    owned: jax.Array | None = None) -> jax.Array:
     """Each (token, expert) pair reads its expert's weights by index: N*k expert reads, no copies (a gather of
     the weights into [N, k, E, Fe] first measured 2 to 8 times slower on CPU). x [N, E], top_i/top_w [N, k] ->
-    [N, E]."""
+    [N, E]. owned [N, k]: the pairs whose expert this device holds (expert parallelism); the others add 0 and
+    read nothing."""
     N, k = top_i.shape
     pairs = (jnp.repeat(x, k, axis=0), top_i.reshape(N * k))
-    ys = jax.lax.map(lambda pair: _expert_swiglu(w, pair[1], pair[0][None])[0], pairs)  # [N k, E]
+    if owned is None:
+        ys = jax.lax.map(lambda pair: _expert_swiglu(w, pair[1], pair[0][None])[0], pairs)  # [N k, E]
+    else:
+
+        def one_pair(pair):
+            row, expert, mine = pair
+            return jax.lax.cond(mine, lambda: _expert_swiglu(w, expert, row[None])[0], lambda: jnp.zeros_like(row))
+
+        ys = jax.lax.map(one_pair, pairs + (owned.reshape(N * k),))
     return jnp.einsum("nke,nk->ne", ys.reshape(N, k, -1), top_w)
 
 
@@ -77,30 +91,36 @@ def group_tile(n_pairs: int, n_expert: int) -> int:
     return min(MAX_GROUP_TILE, 1 << max(per_expert.bit_length() - 1, 0))
 
 
-def routed_grouped(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array, tile: int | None = None) -> jax.Array:
+def routed_grouped(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array, tile: int | None = None,
+                   owned: jax.Array | None = None) -> jax.Array:
     """Grouped matmul over (token, expert) pairs sorted by expert. x [N, E], top_i/top_w [N, k] -> [N, E].
 
     Each expert's pairs are padded to whole tiles, so every tile has one expert; tiles past the last used one are
-    skipped. A used expert adds at most one partial tile, which bounds the (static) tile count.
+    skipped. A used expert adds at most one partial tile, which bounds the (static) tile count. owned [N, k]: the
+    pairs whose expert this device holds (expert parallelism); the others sort as one more expert, after the
+    device's own, whose tiles are skipped.
     """
     N, E = x.shape
     k, X = top_i.shape[1], w.gate.shape[0]
     A = N * k
     tile = tile or group_tile(A, X)
     expert = top_i.reshape(A)
+    n_sorted = X  # the experts the pairs sort into: the device's own, then (expert parallelism) the others as one
+    if owned is not None:
+        expert, n_sorted = jnp.where(owned.reshape(A), expert, X), X + 1
     order = jnp.argsort(expert, stable=True)  # [A] pairs sorted by expert
     sorted_expert = expert[order]
-    sizes = jnp.bincount(expert, length=X)  # [X]
+    sizes = jnp.bincount(expert, length=n_sorted)  # [n_sorted]
     padded = (sizes + tile - 1) // tile * tile
     padded_end = jnp.cumsum(padded)
     slot = (padded_end - padded)[sorted_expert] + jnp.arange(A) - (jnp.cumsum(sizes) - sizes)[sorted_expert]  # [A]
-    n_tiles = -(-A // tile) + min(X, A)
+    n_tiles = -(-A // tile) + min(n_sorted, A)
     rows = n_tiles * tile
     token = jnp.full(rows, N, jnp.int32).at[slot].set((order // k).astype(jnp.int32))  # N: the zero row
     weight = jnp.zeros(rows, jnp.float32).at[slot].set(top_w.reshape(A)[order])
     starts = jnp.arange(n_tiles) * tile
     tile_expert = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), X - 1)  # [n_tiles]
-    tile_used = starts < padded_end[-1]
+    tile_used = starts < padded_end[X - 1]
     xs = jnp.concatenate([x, jnp.zeros((1, E), x.dtype)])[token].reshape(n_tiles, tile, E)
 
     def one_tile(args):
@@ -111,21 +131,37 @@ def routed_grouped(w: MoeFfn, x: jax.Array, top_i: jax.Array, top_w: jax.Array, 
     return jnp.zeros((N + 1, E), jnp.float32).at[token].add(ys * weight[:, None])[:N]
 
 
-def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+def moe_ffn(w: MoeFfn, cfg: ModelConfig, x: jax.Array, live: jax.Array | None = None,
+            first_expert: jax.Array | None = None, add_shared: jax.Array | bool = True) -> jax.Array:
     """Reads only the routed experts. x [..., E] -> [..., E]; equals `moe_ffn_dense` up to summation order.
-    live [...]: rows that are padding skip the shared expert's products (`layers.linear`); they are still routed."""
+    live [...]: rows that are padding skip the shared expert's products (`layers.linear`); they are still routed.
+    first_expert: w holds the router's experts first_expert, first_expert + 1, ... only (expert parallelism: a
+    device's share; the pairs routed to other experts add nothing here); add_shared (may be traced): whether the
+    shared expert is added (under expert parallelism, on one device of the experts' axis)."""
     lead, E = x.shape[:-1], x.shape[-1]
     n_tokens = math.prod(lead)
     flat = x.reshape(n_tokens, E)
     top_i, top_w = route(w, cfg, flat)
+    owned, tile = None, None
+    if first_expert is not None:
+        n_own = w.gate.shape[0]
+        top_i = top_i - first_expert
+        owned = (top_i >= 0) & (top_i < n_own)
+        top_i = jnp.clip(top_i, 0, n_own - 1)
+        expected_pairs = max(n_tokens * cfg.n_expert_used * n_own // cfg.n_expert, 1)
+        tile = group_tile(expected_pairs, n_own)
     if n_tokens <= GATHER_MAX_TOKENS:
-        routed = routed_gathered(w, flat, top_i, top_w)
+        routed = routed_gathered(w, flat, top_i, top_w, owned)
     else:
-        routed = routed_grouped(w, flat, top_i, top_w)
-    return routed.reshape(*lead, E) + shared_expert(w, x, live)
+        routed = routed_grouped(w, flat, top_i, top_w, tile, owned)
+    routed = routed.reshape(*lead, E)
+    if add_shared is True:
+        return routed + shared_expert(w, x, live)
+    return routed + jax.lax.cond(add_shared, lambda: shared_expert(w, x, live), lambda: jnp.zeros_like(x))
 
 
-def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array | Prologued, live: jax.Array | None = None) -> jax.Array:
+def ffn(w: DenseFfn | MoeFfn, cfg: ModelConfig, x: jax.Array | Prologued, live: jax.Array | None = None,
+        **experts) -> jax.Array:
     """x [..., E] (or a `Prologued` input, which the dense FFN's product computes), live [...] (padding rows false;
-    see `layers.linear`) -> [..., E]."""
-    return dense_ffn(w, x, live) if isinstance(w, DenseFfn) else moe_ffn(w, cfg, as_array(x), live)
+    see `layers.linear`) -> [..., E]. experts: a MoE layer's expert-parallel share (`moe_ffn`)."""
+    return dense_ffn(w, x, live) if isinstance(w, DenseFfn) else moe_ffn(w, cfg, as_array(x), live, **experts)

@@ -1,12 +1,22 @@
-"""Tensor parallelism over a 1-D device mesh (axis "tp"), Megatron-style (docs/design.md "Tensor parallelism").
+"""Tensor parallelism (Megatron-style) and expert parallelism over a device mesh (docs/design.md "Tensor
+parallelism").
+
+The mesh is 2-D, (EXPERT_AXIS "ep", AXIS "tp"), ep-major: `expert_parallel` groups of `tensor_parallel`
+neighbouring devices. Everything below is split over "tp" and repeated over "ep", except the routed experts of MoE
+layers, which are split over "ep" along the expert axis (each group holds n_expert / ep whole experts), and over
+"tp" along their hidden columns as any FFN. With one group (ep 1) this is plain tensor parallelism; with tp 1, plain
+expert parallelism (everything but the routed experts replicated).
 
 Each device holds its own heads: attention q heads and their KV heads (and KV pages), GDN value heads with their key
 heads (projections, conv channels, conv and SSM planes, replay records), a slice of every FFN's hidden columns (the
 routed experts' too), and a slice of the vocabulary (embedding rows, output head columns). Every block (attention,
 GDN, FFN, the embedding lookup) runs inside `jax.shard_map` on its device's heads, with the model's own code and
 kernels at the shard's shapes (`TensorParallel.local`), and ends in one `psum` of its [B, T, E] output; the output
-head's logits come out split over the vocabulary. Everything else (norms, the residual stream, verification,
-sampling, the draft chains, the host's bookkeeping) is replicated and runs as one SPMD program under `jax.jit`.
+head's logits come out split over the vocabulary. Under expert parallelism every device routes all tokens and runs
+only its own experts' pairs; the MoE block's one psum then runs over both axes, and the shared expert (split over
+"tp" only) is added by the first group alone, so that it is counted once. Everything else (norms, the residual
+stream, verification, sampling, the draft chains, the host's bookkeeping) is replicated and runs as one SPMD
+program under `jax.jit`.
 
 Weights are laid out device-major before they are placed: the global array of a split weight is its shards
 concatenated along the split axis, so that `NamedSharding` hands each device a contiguous block holding exactly its
@@ -37,6 +47,7 @@ from .weights import (Attention, BlockRows, DenseFfn, Fused, GatedDeltaNet, Laye
                       Weights, embedding_rows)
 
 AXIS = "tp"
+EXPERT_AXIS = "ep"
 REPLICATED = P()
 
 # The fields `weights.fuse_fields` may store as one `Fused` weight, per weights class, in order.
@@ -46,10 +57,11 @@ _FUSED_FIELDS = {Attention: ("q", "k", "v"), GatedDeltaNet: ("qkv", "gate", "bet
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """A model's split over `mesh` (1-D, axis AXIS): `local` is one shard's config (its heads and hidden widths),
-    which the blocks run under inside `shard_map`; `pools` the config whose shapes the state pools have globally
-    (repeated KV and key heads counted). `vocab_split`: the embedding and output head are split over the
-    vocabulary (else replicated: a vocabulary that does not divide)."""
+    """A model's split over `mesh` (axes EXPERT_AXIS, AXIS): `local` is one shard's config (its heads and hidden
+    widths; n_expert stays the model's, the router's width, a shard's own experts being its weights' leading
+    axis), which the blocks run under inside `shard_map`; `pools` the config whose shapes the state pools have
+    globally (repeated KV and key heads counted). `vocab_split`: the embedding and output head are split over the
+    vocabulary (else replicated: a vocabulary that does not divide, or one device along AXIS)."""
 
     mesh: Mesh
     local: ModelConfig
@@ -58,15 +70,24 @@ class TensorParallel:
 
     @property
     def size(self) -> int:
+        """Devices along AXIS (tensor parallelism)."""
         return self.mesh.shape[AXIS]
 
+    @property
+    def experts(self) -> int:
+        """Devices along EXPERT_AXIS (expert parallelism): groups that split the routed experts between them."""
+        return self.mesh.shape.get(EXPERT_AXIS, 1)
 
-def make_mesh(n: int, devices=None) -> Mesh:
-    """A 1-D mesh of the first n devices (axis AXIS)."""
+
+def make_mesh(n: int, devices=None, expert_parallel: int = 1) -> Mesh:
+    """A mesh (EXPERT_AXIS, AXIS) of expert_parallel x n of the first devices, each group along AXIS of neighbouring
+    devices (the tensor-parallel all-reduces, one or two per layer, run within a group; the experts' one per MoE
+    layer across groups)."""
     devices = list(jax.devices() if devices is None else devices)
-    if n < 1 or n > len(devices):
-        raise ValueError(f"tensor parallel {n}: this process sees {len(devices)} device(s)")
-    return Mesh(np.array(devices[:n]), (AXIS,))
+    if n < 1 or expert_parallel < 1 or n * expert_parallel > len(devices):
+        raise ValueError(f"tensor parallel {n} x expert parallel {expert_parallel}: this process sees "
+                         f"{len(devices)} device(s)")
+    return Mesh(np.array(devices[: n * expert_parallel]).reshape(expert_parallel, n), (EXPERT_AXIS, AXIS))
 
 
 # ------------------------------------------------------------------------------------------- which heads go where
@@ -119,16 +140,25 @@ def _layout(cfg: ModelConfig, n: int) -> _Layout:
     return _Layout(q_heads, kv_heads, key_heads, value_heads)
 
 
+def check_experts_divide(cfg: ModelConfig, n_groups: int) -> None:
+    """Raise ValueError where cfg's routed experts do not split over n_groups (> 1) expert-parallel groups."""
+    if n_groups > 1 and not cfg.is_moe:
+        raise ValueError(f"expert parallel {n_groups}: a {cfg.arch} model has no routed experts")
+    if cfg.n_expert % n_groups:
+        raise ValueError(f"routed experts: {cfg.n_expert} experts do not split over {n_groups} groups")
+
+
 def tensor_parallel(cfg: ModelConfig, mesh: Mesh) -> TensorParallel:
-    """The split of cfg over mesh (ValueError where a width does not divide)."""
+    """The split of cfg over mesh (ValueError where a width or the expert count does not divide)."""
     n = mesh.shape[AXIS]
+    check_experts_divide(cfg, mesh.shape.get(EXPERT_AXIS, 1))
     lay = _layout(cfg, n)
     kv, keys = len(lay.kv_heads[0]), len(lay.key_heads[0])
     local = cfg.replace(n_head=cfg.n_head // n, n_head_kv=kv, ssm_groups=keys, ssm_heads=cfg.ssm_heads // n,
                         n_ff=cfg.n_ff // n, n_ff_expert=cfg.n_ff_expert // n, n_ff_shared=cfg.n_ff_shared // n,
                         tensor_parallel=None)  # fmt: skip
     pools = cfg.replace(n_head_kv=n * kv, ssm_groups=n * keys, tensor_parallel=None)
-    return TensorParallel(mesh, local, pools, vocab_split=cfg.n_vocab % n == 0)
+    return TensorParallel(mesh, local, pools, vocab_split=n > 1 and cfg.n_vocab % n == 0)
 
 
 # ---------------------------------------------------------------------------------------------- weight layout
@@ -278,8 +308,9 @@ def ffn_specs(w: DenseFfn | MoeFfn):
     if isinstance(w, DenseFfn):
         return DenseFfn(gate=_matmul_spec(w.gate, "out"), up=_matmul_spec(w.up, "out"),
                         down=_matmul_spec(w.down, "in"))
-    return MoeFfn(router=REPLICATED, gate=_matmul_spec(w.gate, "out"), up=_matmul_spec(w.up, "out"),
-                  down=_matmul_spec(w.down, "in"), shared_router=REPLICATED,
+    # The routed experts [X, n_in, n_out]: whole experts over EXPERT_AXIS, their columns over AXIS.
+    return MoeFfn(router=REPLICATED, gate=P(EXPERT_AXIS, None, AXIS), up=P(EXPERT_AXIS, None, AXIS),
+                  down=P(EXPERT_AXIS, AXIS, None), shared_router=REPLICATED,
                   shared_gate=_matmul_spec(w.shared_gate, "out"), shared_up=_matmul_spec(w.shared_up, "out"),
                   shared_down=_matmul_spec(w.shared_down, "in"))
 
@@ -373,6 +404,13 @@ def _per_shard(tp: TensorParallel, body: Callable, in_specs, out_specs):
     return jax.shard_map(body, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+def _psum(tp: TensorParallel, x: jax.Array, *axes: str) -> jax.Array:
+    """`psum` over those of axes that span more than one device: XLA keeps an all-reduce over one device (expert
+    parallelism alone has "tp" of one)."""
+    axes = tuple(a for a in axes if tp.mesh.shape[a] > 1)
+    return jax.lax.psum(x, axes) if axes else x
+
+
 def _tree_spec(tree, spec):
     return jax.tree.map(lambda _: spec, tree)
 
@@ -388,7 +426,7 @@ def embed(tp: TensorParallel, table, tokens: jax.Array) -> jax.Array:
         local = tokens - jax.lax.axis_index(AXIS) * rows
         inside = (local >= 0) & (local < rows)
         found = embedding_rows(table, jnp.where(inside, local, 0))
-        return jax.lax.psum(jnp.where(inside[..., None], found, 0.0), AXIS)
+        return _psum(tp, jnp.where(inside[..., None], found, 0.0), AXIS)
 
     return _per_shard(tp, body, (P(AXIS, None), REPLICATED), REPLICATED)(table, tokens)
 
@@ -415,7 +453,7 @@ def attention_block(tp: TensorParallel, attention: Callable, w: Attention, x: ja
 
     def body(w, x, norm, positions, valid, page_table, k_pages, v_pages):
         y, k_pages, v_pages = attention(w, tp.local, x, norm, positions, valid, page_table, k_pages, v_pages)
-        return jax.lax.psum(y, AXIS), k_pages, v_pages
+        return _psum(tp, y, AXIS), k_pages, v_pages
 
     in_specs = (mixer_specs(w), REPLICATED, REPLICATED, REPLICATED, REPLICATED, REPLICATED, KV_SPEC, KV_SPEC)
     return _per_shard(tp, body, in_specs, (REPLICATED, KV_SPEC, KV_SPEC))(
@@ -444,7 +482,7 @@ def gdn_block(tp: TensorParallel, mixer: Callable, w: GatedDeltaNet, x: jax.Arra
     def body(w, x, norm, valid, n_tokens, conv, ssm, read_plane, write_planes, replay, slot, first):
         y, conv, ssm, replay = mixer(w, tp.local, x, norm, valid, n_tokens, conv, ssm, read_plane, write_planes,
                                      replay, slot, first)
-        return jax.lax.psum(y, AXIS), conv, ssm, replay
+        return _psum(tp, y, AXIS), conv, ssm, replay
 
     in_specs = (mixer_specs(w), REPLICATED, REPLICATED, REPLICATED, REPLICATED, CONV_SPEC, SSM_SPEC, REPLICATED,
                 REPLICATED, REPLAY_SPEC, REPLICATED, REPLICATED)
@@ -453,11 +491,21 @@ def gdn_block(tp: TensorParallel, mixer: Callable, w: GatedDeltaNet, x: jax.Arra
 
 
 def ffn_block(tp: TensorParallel, ffn: Callable, w: DenseFfn | MoeFfn, x: jax.Array, norm: jax.Array, valid):
-    """ffn(w, local cfg, x, norm, valid) -> y per shard on its hidden columns (every routed expert's), summed (one
-    psum); routing is replicated."""
+    """ffn(w, local cfg, x, norm, valid, **experts) -> y per shard on its hidden columns (every routed expert's),
+    summed (one psum); routing is replicated. Under expert parallelism (a MoE layer, tp.experts > 1) each shard
+    also holds only its group's experts: ffn is told their first index and whether to add the shared expert (the
+    first group only), and the one psum runs over both axes (`moe.moe_ffn`)."""
+    if not isinstance(w, MoeFfn) or tp.experts == 1:
 
-    def body(w, x, norm, valid):
-        return jax.lax.psum(ffn(w, tp.local, x, norm, valid), AXIS)
+        def body(w, x, norm, valid):
+            return _psum(tp, ffn(w, tp.local, x, norm, valid), AXIS)
+
+    else:
+
+        def body(w, x, norm, valid):
+            group = jax.lax.axis_index(EXPERT_AXIS)
+            y = ffn(w, tp.local, x, norm, valid, first_expert=group * w.gate.shape[0], add_shared=group == 0)
+            return _psum(tp, y, EXPERT_AXIS, AXIS)
 
     return _per_shard(tp, body, (ffn_specs(w), REPLICATED, REPLICATED, REPLICATED), REPLICATED)(w, x, norm, valid)
 

@@ -115,6 +115,7 @@ class Engine:
         row_buckets: tuple[int, ...] = (),
         prefix_cache: bool = False,
         tensor_parallel: int = 1,
+        expert_parallel: int = 1,
     ):
         """budget_bytes: KV pages + GDN planes of the target. adaptive False: every step drafts with the request's
         drafters in order at n_max (the first non-empty draft wins), as fixed-drafter engines do; True: the
@@ -135,9 +136,11 @@ class Engine:
         the budget, for the requests that start with them (`scheduler.prefix_cache`; `gdnspec serve` turns it on
         unless told --no-prefix-cache). tensor_parallel: split the target over this many devices
         (`Model.sharded`, `jaxmodel.sharding`; a model sharded already is taken as it is); budget_bytes then counts
-        the pools of all of them, and the draft model stays on one device."""
-        if tensor_parallel > 1 and model.cfg.tensor_parallel is None:
-            model = model.sharded(tensor_parallel)
+        the pools of all of them, and the draft model stays on one device. expert_parallel: besides, split a MoE
+        target's routed experts over this many groups of tensor_parallel devices (each group holds the pools
+        whole, so budget_bytes counts one group's)."""
+        if (tensor_parallel > 1 or expert_parallel > 1) and model.cfg.tensor_parallel is None:
+            model = model.sharded(tensor_parallel, expert_parallel=expert_parallel)
         parts = assemble(model, tokenizer=tokenizer, draft_model=draft_model, extra_drafters=extra_drafters,
                          budget_bytes=budget_bytes, max_running=max_running, max_model_len=max_model_len,
                          token_budget=token_budget, chunk_size=chunk_size, page_size=page_size, n_max=n_max,

@@ -1,22 +1,28 @@
-"""Tensor parallelism (`jaxmodel.sharding`) on 2 and 4 CPU devices against one device: logits, the collectives of
-the compiled steps, and greedy output through the engine for plain decoding and every drafter and rollback mode.
+"""Tensor and expert parallelism (`jaxmodel.sharding`) on 2 and 4 CPU devices against one device: logits, the
+collectives of the compiled steps, and greedy output through the engine for plain decoding and every drafter and
+rollback mode (tensor parallel), plain decoding and MTP drafting (expert parallel, in groups of tensor-parallel
+devices); and two processes (`jaxmodel.multiprocess`) serving as one.
 
 The suite's process keeps one device, so the checks run in one subprocess with 4 forced host devices
-(--xla_force_host_platform_device_count) and report back as JSON; the tests below read its report."""
+(--xla_force_host_platform_device_count) and report back as JSON; the tests below read its report. The two
+processes are servers of their own, one host device each."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from jaxmodel.config import from_gguf
 from jaxmodel.gguf_layout import open_gguf
-from jaxmodel.sharding import check_divides
+from jaxmodel.sharding import check_divides, check_experts_divide
 
 DATA = Path(__file__).parent / "data"
 N_DEVICES = 4
@@ -32,23 +38,27 @@ MAX_TOKENS = 12
 # Drafters, n_max, rollback; one n_max and prompts of one chunk (ENGINE's 16 tokens) keep the compiled shapes few.
 SPECS = {"plain": None, "mtp-snapshot": (("mtp",), 3, "snapshot"), "mtp-checkpoint": (("mtp",), 3, "checkpoint"),
          "mtp-ngram-replay": (("mtp", "ngram"), 3, "replay"), "ngram": (("ngram",), 3, "auto")}
+# Expert parallelism: (expert groups, tensor-parallel devices per group) on the MoE models; each pair's sums run in
+# another order than one device's too, hence the same tolerance. The engine runs both axes at once.
+EXPERT_LAYOUTS = {"tiny-qwen35moe": ((2, 1), (4, 1)), "tiny-qwen3next": ((2, 1), (4, 1), (2, 2))}
+EXPERT_ENGINE_LAYOUT = (2, 2)
+EXPERT_SPECS = ("plain", "mtp-snapshot")
 
 
 def _checks() -> dict:
     """Run in the subprocess: every check's raw results."""
-    import anyio
     import jax
     import numpy as np
     from conftest import ENGINE, plain_greedy
 
     from jaxmodel import load_model
-    from jaxmodel.requests import SpeculativeConfig
     from jaxmodel.sharding import count_collectives, state_specs
     from jaxmodel.state import Row, pack_batch
     from jaxmodel.executor.host_io import pack
-    from scheduler import DoneEvent, Engine, GenerationRequest, TokensEvent
+    from scheduler import Engine
 
-    report: dict = {"devices": len(jax.devices()), "logits": {}, "skipped": {}}
+    report: dict = {"devices": len(jax.devices()), "logits": {}, "skipped": {}, "expert_logits": {},
+                    "expert_collectives": {}, "expert_n_layer": {}}
     tokens = list(range(3, 19))
     models = {name: load_model(DATA / f"{name}.gguf") for name in MODELS}
     for name, model in models.items():
@@ -67,6 +77,20 @@ def _checks() -> dict:
                 text = sharded.step.lower(sharded.weights, batch=batch, state=state).compile().as_text()
                 report["forward_collectives"] = count_collectives(text)
                 report["n_layer"] = sharded.cfg.n_layer
+        if name not in EXPERT_LAYOUTS:
+            continue
+        short_logits, _ = model.score(tokens[:3]) if name == ENGINE_MODEL else (None, None)
+        for groups, n in EXPERT_LAYOUTS[name]:
+            sharded = model.sharded(n, expert_parallel=groups)
+            layout = f"{name}/ep{groups}xtp{n}"
+            got, _ = sharded.score(tokens)
+            report["expert_logits"][layout] = [float(np.abs(got - logits).max()), float(np.abs(logits).max())]
+            if name == ENGINE_MODEL:
+                got, text = _short_step(sharded, tokens[:3])
+                report["expert_logits"][f"{layout}/short"] = [float(np.abs(got - short_logits).max()),
+                                                              float(np.abs(short_logits).max())]
+                report["expert_collectives"][layout] = count_collectives(text)
+                report["expert_n_layer"][layout] = sharded.cfg.n_layer
 
     model = models[ENGINE_MODEL]
     rng = np.random.default_rng(0)
@@ -75,7 +99,7 @@ def _checks() -> dict:
     prompts = [tuple(int(t) for t in rng.integers(0, 500, 9)),
                (43, 486, 281, 486, 480, 486, 385, 486, 344, 486, 32, 486, 419, 486, 92, 486),
                (354, 472, 388, 472, 54, 472, 66, 472, 214, 472, 5, 472, 221, 472, 337, 472)]
-    report["references"] = [plain_greedy(model, p, MAX_TOKENS) for p in prompts]
+    report["prompts"], report["references"] = prompts, [plain_greedy(model, p, MAX_TOKENS) for p in prompts]
     # Every request at once, in steps of one compiled batch size: few shapes to compile.
     engine = Engine(model, **{**ENGINE, "max_running": 16, "budget_bytes": 4 << 20}, row_buckets=(16,), adaptive=False,
                     max_call_seconds=None, tensor_parallel=ENGINE_DEVICES)
@@ -91,6 +115,25 @@ def _checks() -> dict:
                                        **static).compile().as_text()  # fmt: skip
     report["step_collective_sources"] = sorted({_collective_source(line) for line in text.splitlines()} - {None})
 
+    report["engine"] = _serve_all(engine, prompts, SPECS)
+    report["state_kept_sharding"] = _same_placement(runtime.state, placed)
+
+    groups, n = EXPERT_ENGINE_LAYOUT
+    engine = Engine(model, **{**ENGINE, "max_running": 16, "budget_bytes": 4 << 20}, row_buckets=(16,), adaptive=False,
+                    max_call_seconds=None, tensor_parallel=n, expert_parallel=groups)
+    engine.iterations = 4
+    report["expert_engine"] = _serve_all(engine, prompts, EXPERT_SPECS)
+    return report
+
+
+def _serve_all(engine, prompts, labels) -> dict:
+    """Every prompt under each of labels (keys of SPECS) through engine at once: per label, per prompt, the tokens,
+    the rollback steps and the tokens drafted."""
+    import anyio
+
+    from jaxmodel.requests import SpeculativeConfig
+    from scheduler import DoneEvent, GenerationRequest, TokensEvent
+
     async def collect(request):
         out, done = [], None
         async for event in engine.generate(request):
@@ -101,7 +144,7 @@ def _checks() -> dict:
         return out, dict(done.rollback_steps), sum(s.drafted for s in done.drafters.values())
 
     async def main():
-        results = {label: [None] * len(prompts) for label in SPECS}
+        results = {label: [None] * len(prompts) for label in labels}
 
         async def run(label, i):
             spec = SPECS[label] and SpeculativeConfig(SPECS[label][0], n_max=SPECS[label][1], rollback=SPECS[label][2])
@@ -109,14 +152,26 @@ def _checks() -> dict:
 
         async with engine:
             async with anyio.create_task_group() as group:
-                for label in SPECS:
+                for label in labels:
                     for i in range(len(prompts)):
                         group.start_soon(run, label, i)
         return results
 
-    report["engine"] = anyio.run(main)
-    report["state_kept_sharding"] = _same_placement(runtime.state, placed)
-    return report
+    return anyio.run(main)
+
+
+def _short_step(model, tokens: list[int]):
+    """The logits [T, V] of a few tokens (so few that the routed experts are read by index, not grouped) through
+    the forward step `Model.score` runs, compiled ahead (`lower`), and that step's HLO text."""
+    import numpy as np
+
+    from jaxmodel.state import Row, pack_batch
+
+    state = model.new_state(n_pages=2, n_planes=3)
+    batch = pack_batch([Row(tokens, 0, [1], 0, [-1] * (len(tokens) - 1) + [1], range(len(tokens)))])
+    compiled = model.step.lower(model.weights, batch=batch, state=state).compile()
+    out, _ = compiled(model.weights, batch=batch, state=state)
+    return np.asarray(out.logits[0, : len(tokens)]), compiled.as_text()
 
 
 def _same_placement(state, shardings) -> list[str]:
@@ -163,6 +218,16 @@ def test_the_heads_of_each_layout_divide_or_the_layout_is_refused():
     check_divides(from_gguf(open_gguf(str(DATA / "tiny-qwen3next.gguf"))), 4)
 
 
+def test_expert_parallelism_needs_experts_that_divide():
+    """The tiny qwen3next's 4 experts split over 2 and 4 groups, not 8; a dense model has none to split."""
+    moe = from_gguf(open_gguf(str(DATA / "tiny-qwen3next.gguf")))
+    check_experts_divide(moe, 4)
+    with pytest.raises(ValueError, match="4 experts do not split over 8 groups"):
+        check_experts_divide(moe, 8)
+    with pytest.raises(ValueError, match="has no routed experts"):
+        check_experts_divide(from_gguf(open_gguf(str(DATA / "tiny-qwen35-mtp.gguf"))), 2)
+
+
 def test_sharded_logits_match_one_device(report):
     assert report["devices"] == N_DEVICES
     assert set(report["skipped"]) == {"tiny-qwen35moe/4"}, report["skipped"]
@@ -198,6 +263,117 @@ def test_sharded_engine_is_lossless_for_every_drafter_and_rollback_mode(report):
                 assert sum(rollback_steps.values()) == rollback_steps[mode] > 0, (label, prompt, rollback_steps)
         if label != "plain":
             assert sum(drafted for _, _, drafted in outs) > 0, label
+
+
+def test_expert_parallel_logits_match_one_device(report):
+    """Routed experts split over 2 and 4 groups (alone, and with tensor parallelism in each group), for steps of
+    many tokens (grouped expert products) and, on the tiny qwen3next, of few (gathered)."""
+    want = {f"{name}/ep{groups}xtp{n}{label}" for name, layouts in EXPERT_LAYOUTS.items() for groups, n in layouts
+            for label in ("", "/short") if not label or name == ENGINE_MODEL}
+    assert set(report["expert_logits"]) == want
+    for layout, (difference, scale) in report["expert_logits"].items():
+        assert difference <= LOGITS_TOLERANCE, (layout, difference, scale)
+
+
+def test_expert_parallelism_adds_one_all_reduce_per_moe_layer_and_no_all_to_all(report):
+    """The tiny qwen3next's forward. Experts alone (tp 1): one all-reduce per MoE layer (every layer) and nothing
+    else. With
+    tensor parallelism: the experts' sum is the FFN's own all-reduce, over both axes, so the count is tensor
+    parallelism's."""
+    for layout, counts in report["expert_collectives"].items():
+        counts, n_layer = dict(counts), report["expert_n_layer"][layout]
+        if layout.endswith("xtp1"):
+            assert counts.pop("all-reduce") == n_layer, (layout, counts)
+        else:
+            assert counts.pop("all-reduce") == 1 + 2 * n_layer, (layout, counts)
+            assert counts.pop("all-gather") == 1, (layout, counts)
+        assert not any(counts.values()), (layout, counts)
+
+
+def test_expert_parallel_engine_is_lossless(report):
+    """Two expert groups of two tensor-parallel devices: plain decoding and MTP drafting give one device's plain
+    greedy tokens."""
+    for label, outs in report["expert_engine"].items():
+        for prompt, ((tokens, _, _), want) in enumerate(zip(outs, report["references"], strict=True)):
+            assert tokens == want, (label, prompt)
+        if label != "plain":
+            assert sum(drafted for _, _, drafted in outs) > 0, label
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_listening(port: int, processes, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.poll() is not None:
+                raise AssertionError(f"a serving process ended ({process.returncode}): {process.stderr.read()[-4000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(report, tmp_path):
+    """Two processes on loopback (`jax.distributed`, gloo CPU collectives), one host device each, one mesh of two
+    (tensor parallel 2): process 0 serves a request over the websocket with the tokens one device's plain greedy
+    decoding gives; then the follower is killed, and process 0 ends with FOLLOWER_GONE_EXIT and a line naming it
+    rather than waiting on its collectives. Plain decoding, one iteration per call: the fewest step shapes, which
+    the follower compiles for itself (the compilation cache serves only process 0); drafting through the sharded
+    step is checked on one process above."""
+    import anyio
+
+    from api.client import Client
+
+    from jaxmodel.multiprocess import FOLLOWER_GONE_EXIT
+
+    model_path = DATA / f"{ENGINE_MODEL}.gguf"
+    prompt, want = report["prompts"][1], report["references"][1]  # one device's plain greedy tokens
+    coordinator, port = _free_port(), _free_port()
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "GDNSPEC_CACHE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop("XLA_FLAGS", None)  # one host device each
+    command = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_path), "--tensor-parallel", "2",
+               "--num-processes", "2", "--coordinator", f"127.0.0.1:{coordinator}", "--port", str(port),
+               "--budget-mb", "4", "--max-seqs", "2", "--max-model-len", "64", "--default-drafters", "none",
+               "--iterations", "1"]
+    processes = [subprocess.Popen(command + ["--process-id", str(i)], env=env, cwd=root, text=True,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
+    try:
+        _wait_listening(port, processes, time.monotonic() + 120)
+
+        async def generate():
+            with anyio.fail_after(120):
+                return await _generate()
+
+        async def _generate():
+            async with Client(f"ws://127.0.0.1:{port}") as client:
+                stream = await client.generate(None, prompt_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+                tokens, done = [], None
+                async for frame in stream:
+                    if frame.__class__.__name__ == "Tokens":
+                        tokens += frame.token_ids
+                    else:
+                        done = frame
+                return tokens, done.finish_reason
+
+        tokens, finish_reason = anyio.run(generate)
+        assert finish_reason == "length" and tokens == want, (finish_reason, tokens, want)
+
+        processes[1].send_signal(signal.SIGKILL)
+        assert processes[0].wait(timeout=60) == FOLLOWER_GONE_EXIT
+        assert "follower process 1 ended" in processes[0].stderr.read()
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 if __name__ == "__main__":
