@@ -32,17 +32,17 @@ LAYOUTS = (2, 4)
 # models' logits (|logit| up to about 4.5, after 4 to 8 layers) that moves them by up to about 4e-5. One device
 # under the same code (a mesh of one) gives the same bits (checked below), so the difference is that order alone.
 LOGITS_TOLERANCE = 1e-4
-# The engine check: the model with repeated KV and key heads (2 each over 4 devices), MoE FFNs and an MTP head.
-ENGINE_MODEL, ENGINE_DEVICES = "tiny-qwen3next", 4
+# The engine check: the model with MoE FFNs and an MTP head, its routed experts in two groups of two tensor-parallel
+# devices (both axes at once; its 2 KV heads each repeated within a group).
+ENGINE_MODEL = "tiny-qwen3next"
 MAX_TOKENS = 12
 # Drafters, n_max, rollback; one n_max and prompts of one chunk (ENGINE's 16 tokens) keep the compiled shapes few.
 SPECS = {"plain": None, "mtp-snapshot": (("mtp",), 3, "snapshot"), "mtp-checkpoint": (("mtp",), 3, "checkpoint"),
          "mtp-ngram-replay": (("mtp", "ngram"), 3, "replay"), "ngram": (("ngram",), 3, "auto")}
 # Expert parallelism: (expert groups, tensor-parallel devices per group) on the MoE models; each pair's sums run in
 # another order than one device's too, hence the same tolerance. The engine runs both axes at once.
-EXPERT_LAYOUTS = {"tiny-qwen35moe": ((2, 1), (4, 1)), "tiny-qwen3next": ((2, 1), (4, 1), (2, 2))}
+EXPERT_LAYOUTS = {"tiny-qwen35moe": ((2, 1), (4, 1)), "tiny-qwen3next": ((4, 1), (2, 2))}
 EXPERT_ENGINE_LAYOUT = (2, 2)
-EXPERT_SPECS = ("plain", "mtp-snapshot")
 
 
 def _checks() -> dict:
@@ -101,8 +101,9 @@ def _checks() -> dict:
                (354, 472, 388, 472, 54, 472, 66, 472, 214, 472, 5, 472, 221, 472, 337, 472)]
     report["prompts"], report["references"] = prompts, [plain_greedy(model, p, MAX_TOKENS) for p in prompts]
     # Every request at once, in steps of one compiled batch size: few shapes to compile.
+    groups, n = EXPERT_ENGINE_LAYOUT
     engine = Engine(model, **{**ENGINE, "max_running": 16, "budget_bytes": 4 << 20}, row_buckets=(16,), adaptive=False,
-                    max_call_seconds=None, tensor_parallel=ENGINE_DEVICES)
+                    max_call_seconds=None, tensor_parallel=n, expert_parallel=groups)
     engine.iterations = 4
     runtime = engine.runtime
     placed = jax.tree.map(lambda x: x.sharding, runtime.state)
@@ -117,12 +118,6 @@ def _checks() -> dict:
 
     report["engine"] = _serve_all(engine, prompts, SPECS)
     report["state_kept_sharding"] = _same_placement(runtime.state, placed)
-
-    groups, n = EXPERT_ENGINE_LAYOUT
-    engine = Engine(model, **{**ENGINE, "max_running": 16, "budget_bytes": 4 << 20}, row_buckets=(16,), adaptive=False,
-                    max_call_seconds=None, tensor_parallel=n, expert_parallel=groups)
-    engine.iterations = 4
-    report["expert_engine"] = _serve_all(engine, prompts, EXPERT_SPECS)
     return report
 
 
@@ -251,8 +246,9 @@ def test_each_block_ends_in_one_all_reduce_and_nothing_else_communicates(report)
 
 
 def test_sharded_engine_is_lossless_for_every_drafter_and_rollback_mode(report):
-    """Plain decoding and drafting (MTP with snapshot, checkpoint and replay rollback, n-gram lookup) on 4 devices
-    give the tokens plain greedy decoding gives on one, fifteen requests at once; the state keeps its placement."""
+    """Plain decoding and drafting (MTP with snapshot, checkpoint and replay rollback, n-gram lookup) on 4 devices,
+    the routed experts in two groups of two tensor-parallel devices, give the tokens plain greedy decoding gives on
+    one, fifteen requests at once; the state keeps its placement."""
     assert report["state_specs_match"] == [] and report["state_kept_sharding"] == [], report["state_kept_sharding"]
     references = report["references"]
     for label, outs in report["engine"].items():
@@ -288,16 +284,6 @@ def test_expert_parallelism_adds_one_all_reduce_per_moe_layer_and_no_all_to_all(
             assert counts.pop("all-reduce") == 1 + 2 * n_layer, (layout, counts)
             assert counts.pop("all-gather") == 1, (layout, counts)
         assert not any(counts.values()), (layout, counts)
-
-
-def test_expert_parallel_engine_is_lossless(report):
-    """Two expert groups of two tensor-parallel devices: plain decoding and MTP drafting give one device's plain
-    greedy tokens."""
-    for label, outs in report["expert_engine"].items():
-        for prompt, ((tokens, _, _), want) in enumerate(zip(outs, report["references"], strict=True)):
-            assert tokens == want, (label, prompt)
-        if label != "plain":
-            assert sum(drafted for _, _, drafted in outs) > 0, label
 
 
 def _free_port() -> int:
