@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-presets bench peer gpu-check gpu-quick gpu-wheels clean
+.PHONY: serve test test-long bench peer gpu-check gpu-quick gpu-wheels clean
 
 $(STAMP): pyproject.toml $(wildcard jaxmodel/kernels/*.cc jaxmodel/kernels/*.h)
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,10 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Lossless tests at real shapes (the 0.8B preset, random weights): minutes on 2 cores, so not in `make test`.
-test-presets: $(STAMP)
-	GDNSPEC_PRESET_TESTS=1 $(BIN)/python -m pytest tests/test_prefix_cache.py -k preset $(PYTEST_ARGS)
+# The long tests (`long_test` in tests/conftest.py: the 0.8B preset's shapes, the tiny qwen3next's prefix cache,
+# serving from two processes): minutes on 2 cores, so not in `make test`.
+test-long: $(STAMP)
+	GDNSPEC_LONG_TESTS=1 $(BIN)/python -m pytest tests/test_prefix_cache.py tests/test_sharding.py $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/gdnspec bench step $(ARGS)

@@ -32,6 +32,11 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # The tiny model's engines in test_engine.py, test_reliability.py and test_server.py (but those a test's point sets
 # apart) share these shapes and pools, so that XLA compiles each step shape once for the suite: a shape takes
 # seconds to compile and milliseconds to run.
+# Tests that take minutes here (real shapes, a second model's own compilations, several processes) run only with
+# GDNSPEC_LONG_TESTS=1 (`make test-long`), so that `make test` stays within 15 minutes on 2 cores.
+long_test = pytest.mark.skipif(not os.environ.get("GDNSPEC_LONG_TESTS"),
+                               reason="a long test: GDNSPEC_LONG_TESTS=1 (make test-long) runs it")
+
 ENGINE = dict(budget_bytes=700_000, max_running=6, max_model_len=64, chunk_size=16, token_budget=48, n_max=6)
 
 

@@ -3,8 +3,6 @@ finished with, requests sharing a system prompt start from the state at its end,
 full prefill would (plain greedy), for every drafter and rollback mode, with requests running at once and under a
 budget small enough that cached states are evicted; what the cache holds comes back when it is dropped."""
 
-import os
-
 import anyio
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ from api.client import Client
 from api.protocol import Defaults, Limits, ServerSettings
 from api.server import Server, listening
 from bench.prefix_cache import corpus_ids, run_conversations, summarize
-from conftest import DATA, ENGINE, plain_greedy
+from conftest import DATA, ENGINE, long_test, plain_greedy
 from jaxmodel import load_model
 from jaxmodel.requests import SpeculativeConfig
 from jaxmodel.tokenizer import load_tokenizer
@@ -157,6 +155,7 @@ def test_cached_prefixes_are_evicted_when_sequences_need_the_memory(model, token
     check_memory(engine)
 
 
+@long_test
 def test_a_qwen3next_next_turn_decodes_plain_greedy():
     """The same on qwen3next's tiny model (grouped value heads, its own MoE layers), drafting by n-gram lookup."""
     path = DATA / "tiny-qwen3next.gguf"
@@ -204,11 +203,7 @@ def test_the_server_reports_cached_tokens_and_the_caches_counts(model, tokenizer
     assert stats.planes_free + stats.cached_planes == stats.planes_total
 
 
-PRESET_TESTS = "GDNSPEC_PRESET_TESTS"
-
-
-@pytest.mark.skipif(not os.environ.get(PRESET_TESTS), reason=f"minutes on 2 cores: set {PRESET_TESTS}=1 (make "
-                    "test-presets)")
+@long_test
 @pytest.mark.parametrize("drafters,rollback", [(("mtp",), "checkpoint"), (("mtp", "ngram"), "snapshot")])
 def test_the_0_8b_preset_decodes_the_same_from_cached_states(drafters, rollback):
     """Qwen3.5-0.8B's shapes (24 layers, 19 MiB planes; random weights, no tokenizer): conversations of three turns
