@@ -442,7 +442,7 @@ class Scheduler:
         plane = self.memory.take_planes(1)[0]
         self._plane_copies.append((seq.live_plane, plane))
         pages = self.memory.share_pages(seq.pages[: pages_for(point, self.memory.page_size)])
-        cache.put(CachedPrefix(tokens, plane, tuple(pages)))
+        cache.put(CachedPrefix(tokens, plane, tuple(pages)), seq.hashes(self.memory.page_size))
 
     def _cache_finished(self, seq: SequenceState) -> None:
         """Keep a finished sequence's computed state: its live plane and its pages of computed positions move to the
@@ -454,7 +454,7 @@ class Scheduler:
         if cache.full:
             self._evict(cache.least_recent())
         n_pages = pages_for(seq.n_computed, self.memory.page_size)
-        cache.put(CachedPrefix(tokens, seq.live_plane, tuple(seq.pages[:n_pages])))
+        cache.put(CachedPrefix(tokens, seq.live_plane, tuple(seq.pages[:n_pages])), seq.hashes(self.memory.page_size))
         seq.pages = seq.pages[n_pages:]
         seq.planes = [p for p in seq.planes if p != seq.live_plane]
 

@@ -76,6 +76,7 @@ class PrefixCache:
         self.max_planes = max_planes
         self._entries: OrderedDict[tuple[int, ...], CachedPrefix] = OrderedDict()
         self._by_chain: dict[int, list[CachedPrefix]] = {}  # chain hash of an entry's full blocks -> entries
+        self._chain_of: dict[tuple[int, ...], int] = {}  # an entry's tokens -> its key in _by_chain
         self._seen: OrderedDict[int, None] = OrderedDict()
 
     def __len__(self) -> int:
@@ -103,12 +104,16 @@ class PrefixCache:
         """Every entry, least recently used first."""
         return list(self._entries.values())
 
-    def put(self, entry: CachedPrefix) -> None:
-        """Keep `entry` (most recently used; its tokens not cached yet, and room for it: see `full`)."""
+    def put(self, entry: CachedPrefix, hashes: Sequence[int]) -> None:
+        """Keep `entry` (most recently used; its tokens not cached yet, and room for it: see `full`). hashes:
+        `chain_hashes` of tokens that `entry.tokens` begin (the sequence's it was cut from)."""
         if entry.tokens in self._entries or self.full:
             raise ValueError("the prefix is cached already, or the cache is full")
+        full = len(entry.tokens) // self.page_size
+        key = hashes[full - 1] if full else ROOT_HASH
         self._entries[entry.tokens] = entry
-        self._by_chain.setdefault(self._chain_key(entry.tokens), []).append(entry)
+        self._chain_of[entry.tokens] = key
+        self._by_chain.setdefault(key, []).append(entry)
 
     def match(self, prompt: Sequence[int], hashes: Sequence[int], touch: bool = True) -> CachedPrefix | None:
         """The longest entry whose tokens begin `prompt` and leave at least one of its tokens to feed (the step
@@ -128,7 +133,7 @@ class PrefixCache:
     def remove(self, entry: CachedPrefix) -> None:
         """Drop `entry` (its memory is the caller's to give back)."""
         del self._entries[entry.tokens]
-        key = self._chain_key(entry.tokens)
+        key = self._chain_of.pop(entry.tokens)
         self._by_chain[key].remove(entry)
         if not self._by_chain[key]:
             del self._by_chain[key]
@@ -151,7 +156,3 @@ class PrefixCache:
             self._seen.move_to_end(h)
         while len(self._seen) > SEEN_BLOCKS:
             self._seen.popitem(last=False)
-
-    def _chain_key(self, tokens: tuple[int, ...]) -> int:
-        full = len(tokens) // self.page_size
-        return chain_hashes(tokens[: full * self.page_size], self.page_size)[-1] if full else ROOT_HASH

@@ -82,14 +82,15 @@ def test_a_request_goes_to_the_engine_with_the_fewest_in_flight(model):
 def test_a_request_goes_to_the_engine_that_cached_the_start_of_its_prompt(model):
     """Of the engines with a free row, the one whose prefix cache holds the longest start of the prompt (a
     conversation's next turn goes where its last turn's state is), however busy; without one, the least busy."""
-    from scheduler.prefix_cache import CachedPrefix
+    from scheduler.prefix_cache import CachedPrefix, chain_hashes
 
     replicas = Replicas([Engine(model, prefix_cache=True, **ENGINE) for _ in range(2)])
     first, second = replicas.engines
     turn = tuple(range(1, 40))
     scheduler, memory = second.scheduler, second.memory
     pages = memory.take_pages(3)
-    scheduler.prefix_cache.put(CachedPrefix(turn[:36], memory.take_planes(1)[0], tuple(pages)))
+    scheduler.prefix_cache.put(CachedPrefix(turn[:36], memory.take_planes(1)[0], tuple(pages)),
+                               chain_hashes(turn, memory.page_size))
     assert replicas.least_busy(turn) is second and replicas.least_busy(turn[:36]) is first
     assert second.scheduler.cached_length(turn) == 36 and first.scheduler.cached_length(turn) == 0
     assert replicas.least_busy(tuple(range(50, 90))) is first  # no cached start: the most free pages
