@@ -62,6 +62,8 @@ def _build_engine(args):
         except ValueError as exc:
             raise SystemExit(f"gdnspec: cannot split the model over {args.tensor_parallel} x {args.expert_parallel} "
                              f"devices: {exc}") from None
+        logging.getLogger("gdnspec").info("split over %d x %d devices: %s", args.expert_parallel,
+                                          args.tensor_parallel, model.layout_report.summary())
     engine_args = dict(
         tokenizer=tokenizer, draft_model=draft, budget_bytes=int(args.budget_mb * 2**20),
         max_running=args.max_seqs, max_model_len=args.max_model_len, n_max=args.max_n_max,
@@ -168,9 +170,8 @@ def _serve(args) -> int:
     if several:
         from jaxmodel import multiprocess
 
-        if args.coordinator is None or not 0 <= args.process_id < args.num_processes or args.warmup_first:
-            raise SystemExit("gdnspec: --num-processes N needs --coordinator HOST:PORT, a --process-id below N, and "
-                             "no --warmup-first (steps compile on first use)")
+        if args.coordinator is None or not 0 <= args.process_id < args.num_processes:
+            raise SystemExit("gdnspec: --num-processes N needs --coordinator HOST:PORT and a --process-id below N")
         multiprocess.initialize(args.coordinator, args.num_processes, args.process_id)
         import jax
 
@@ -180,14 +181,6 @@ def _serve(args) -> int:
                              f"({mesh}) must be every process's devices together ({jax.device_count()}), with no "
                              f"--replicas")
     engine, tokenizer = _build_engine(args)  # first: a file that cannot serve is refused before anything else
-    _use_compile_cache()
-    leader = None
-    if several:
-        if args.process_id > 0:  # a follower: the same engine's runtime, driven by process 0's calls
-            multiprocess.follow(engine.runtime)
-            return 0
-        leader = multiprocess.Leader(multiprocess.listen_host(args.coordinator))
-        leader.mirror(engine.runtime)
     known = tuple(name for name in engine.drafters if name != "synthetic")
     drafters = tuple(d for d in args.default_drafters.split(",") if d) if args.default_drafters != "none" else ()
     try:
@@ -202,18 +195,28 @@ def _serve(args) -> int:
     except ValueError as exc:  # e.g. --default-drafters naming one this model lacks
         raise SystemExit(f"server settings: {exc}") from None
     access = Access.from_env(args.api_key, args.allow_origin)
-    if args.warmup_first:
-        start = time.perf_counter()
-        n_shapes = engine.warmup(threads=args.compile_threads)
-        logging.getLogger("gdnspec").info("warm-up: %d step shapes ready in %.1f s", n_shapes,
-                                          time.perf_counter() - start)  # fmt: skip
-    elif not several:  # warm-up and calibration run device calls that the followers do not mirror
-        engine.background_warmup = True
     try:
         templates = TemplateLimits(seconds=args.template_seconds, memory_mb=args.template_memory_mb,
                                    max_chars=args.template_max_chars)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    _use_compile_cache()
+    if args.warmup_first:
+        # With several processes every one runs it, before they meet: identical engines run the same device calls
+        # (each shape once, then the calibration's steps) in the same order, as the mesh's collectives need.
+        start = time.perf_counter()
+        n_shapes = engine.warmup(threads=args.compile_threads)
+        logging.getLogger("gdnspec").info("warm-up: %d step shapes ready in %.1f s", n_shapes,
+                                          time.perf_counter() - start)  # fmt: skip
+    elif not several:  # a background warm-up interleaves with serving, which followers could not mirror
+        engine.background_warmup = True
+    leader = None
+    if several:
+        if args.process_id > 0:  # a follower: the same engine's runtime, driven by process 0's calls
+            multiprocess.follow(engine.runtime)
+            return 0
+        leader = multiprocess.Leader(multiprocess.listen_host(args.coordinator))
+        leader.mirror(engine.runtime)
     server = Server(engine, tokenizer, settings, access, shutdown_grace_s=args.shutdown_grace, templates=templates)
     model_name = args.served_model_name or os.path.basename(_model_paths(args)[0]).removesuffix(".gguf")
 

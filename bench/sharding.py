@@ -79,14 +79,22 @@ NVLINK_BYTES_PER_S = 450e9  # one direction, per GPU (NVLink 4)
 ALL_REDUCE_LATENCY_S = 10e-6  # per all-reduce of a few rows, assumed
 
 
-def on_paper(tp_sizes=(1, 2, 4, 8), context: int = 32768, rows: int = 1) -> list[dict]:
-    """Bytes per device and the decode step's expected time for REAL_MODELS at each TP size: weights split n ways
-    (the file's blocks for Q4_K_M, 2 bytes a parameter for bf16), a sequence's KV at `context` tokens (float16) and
-    its GDN plane (float32) as the sharded pools hold them (`TensorParallel.pools`), and a step of `rows` tokens
-    that reads the active weights once from HBM plus 1 + 2L all-reduces of rows x E float32 over NVLink (ring:
-    2 (n-1)/n of the bytes, plus ALL_REDUCE_LATENCY_S each)."""
+# (tensor parallel, expert parallel) layouts on 1 to 8 devices.
+PAPER_LAYOUTS = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (2, 4))
+Q4_K_BLOCK = 256  # inputs of a K-quant block: the unit an expert's hidden columns split in (`sharding.ffn_columns`)
+
+
+def on_paper(layouts=PAPER_LAYOUTS, context: int = 32768, rows: int = 1) -> list[dict]:
+    """Bytes per device and the decode step's expected time for REAL_MODELS in each (tp, ep) layout: the routed
+    experts split over ep groups and their hidden columns over tp (in whole 256-input blocks for Q4_K_M, padded with
+    zero blocks where they do not go evenly: `sharding.ffn_columns`), everything else over tp (the file's blocks for
+    Q4_K_M at the file's bytes per parameter, 2 bytes a parameter for bf16); a sequence's KV at `context` tokens
+    (float16) and its GDN plane (float32) as the sharded pools hold them (`TensorParallel.pools`); and a step of
+    `rows` tokens that reads the active weights once from HBM (a token's k experts spread over the ep groups on
+    average) plus 1 + 2(L + 1) all-reduces of rows x E float32 over NVLink (ring: 2 (n-1)/n of the bytes, plus
+    ALL_REDUCE_LATENCY_S each)."""
     from jaxmodel.config import ModelConfig
-    from jaxmodel.sharding import tensor_parallel
+    from jaxmodel.sharding import ffn_columns, tensor_parallel
     from jaxmodel.state import bytes_per_plane, kv_bytes_per_page
 
     table = []
@@ -96,20 +104,27 @@ def on_paper(tp_sizes=(1, 2, 4, 8), context: int = 32768, rows: int = 1) -> list
                           ssm_state=Dk, ssm_groups=Hk, ssm_heads=Hv,
                           recurrent=tuple((i + 1) % 4 != 0 for i in range(L)),
                           context_length=262144, n_expert=X, n_expert_used=k, n_ff_expert=Fe, n_ff_shared=Fs)
-        for n in tp_sizes:
+        expert_share = (L + 1) * X * 3 * E * Fe / (total * 1e9)  # routed experts' part of the parameters
+        active_share = (L + 1) * k * 3 * E * Fe / (active * 1e9)  # ... of the active ones (k experts a token)
+        for n, ep in layouts:
             pools = cfg if n == 1 else tensor_parallel(cfg, _AbstractMesh(n)).pools
             kv = kv_bytes_per_page(pools, context, "float16") / n
             plane = bytes_per_plane(pools) / n
-            reduces = 1 + 2 * (L + 1)
-            collective = 0.0 if n == 1 else reduces * (ALL_REDUCE_LATENCY_S + 2 * (n - 1) / n * rows * E * 4
-                                                       / NVLINK_BYTES_PER_S)
-            for fmt, weight_bytes, active_bytes in (("Q4_K_M", q4_gb * 1e9, q4_gb * 1e9 * active / total),
-                                                    ("bf16", 2 * total * 1e9, 2 * active * 1e9)):
-                read = active_bytes / n / HBM_BYTES_PER_S
-                table.append({"model": name, "format": fmt, "tp": n, "weights_gb": weight_bytes / n / 1e9,
-                              "kv_gb_per_sequence": kv / 1e9, "plane_mb_per_sequence": plane / 1e6,
-                              "weights_ms": 1e3 * read, "all_reduces": 0 if n == 1 else reduces,
-                              "all_reduce_ms": 1e3 * collective, "step_ms": 1e3 * (read + collective)})
+            reduces = 0 if n * ep == 1 else 1 + 2 * (L + 1)
+            devices = n * ep
+            collective = reduces * (ALL_REDUCE_LATENCY_S + 2 * (devices - 1) / devices * rows * E * 4
+                                    / NVLINK_BYTES_PER_S)
+            formats = (("Q4_K_M", q4_gb * 1e9, q4_gb * 1e9 * active / total, Q4_K_BLOCK),
+                       ("bf16", 2 * total * 1e9, 2 * active * 1e9, 1))
+            for fmt, all_bytes, active_bytes, unit in formats:
+                held = len(ffn_columns(Fe, n, unit)[0]) / Fe  # of each expert's columns, padding included
+                device_bytes = all_bytes * (expert_share * held / ep + (1 - expert_share) / n)
+                read = active_bytes * (active_share * held / ep + (1 - active_share) / n) / HBM_BYTES_PER_S
+                table.append({"model": name, "format": fmt, "tp": n, "ep": ep, "weights_gb": device_bytes / 1e9,
+                              "expert_padding": held * n - 1, "kv_gb_per_sequence": kv / 1e9,
+                              "plane_mb_per_sequence": plane / 1e6, "weights_ms": 1e3 * read,
+                              "all_reduces": reduces, "all_reduce_ms": 1e3 * collective,
+                              "step_ms": 1e3 * (read + collective)})
     return table
 
 
@@ -169,10 +184,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.paper:
-        print("| model | format | TP | weights GB | KV GB, 32k seq | planes MB/seq | weights ms | all-reduces (ms) | "
-              "step ms |\n|---|---|---|---|---|---|---|---|---|")
+        print("| model | format | TP x EP | weights GB | KV GB, 32k seq | planes MB/seq | weights ms | "
+              "all-reduces (ms) | step ms |\n|---|---|---|---|---|---|---|---|---|")
         for r in on_paper():
-            print(f"| {r['model']} | {r['format']} | {r['tp']} | {r['weights_gb']:.1f} | "
+            padded = f" (experts +{r['expert_padding']:.0%} zero blocks)" if r["expert_padding"] > 0 else ""
+            print(f"| {r['model']} | {r['format']} | {r['tp']} x {r['ep']} | {r['weights_gb']:.1f}{padded} | "
                   f"{r['kv_gb_per_sequence']:.2f} | {r['plane_mb_per_sequence']:.1f} | {r['weights_ms']:.2f} | "
                   f"{r['all_reduces']} ({r['all_reduce_ms']:.2f}) | {r['step_ms']:.2f} |")
         return {}

@@ -96,7 +96,7 @@ class _Tensors:
             raise ModelFormatError(f"{where}: its {n_bytes} bytes at offset {int(t.data_offset)} run past the end "
                                    f"of the file ({self.file_size} bytes): the file is truncated")
         data = np.fromfile(self.path, dtype=np.uint8, count=n_bytes, offset=int(t.data_offset))
-        return BlockRows(data.reshape(*shape[:-1], per_row), int(t.tensor_type), int(shape[-1]))
+        return BlockRows(data.reshape(*shape[:-1], per_row), int(t.tensor_type))
 
     def keeps_blocks(self, name: str, shape: tuple[int, ...]) -> bool:
         """Whether `matmul` returns the tensor as the file's Q8_0 blocks (`Q8Rows`)."""
@@ -344,7 +344,7 @@ def to_device(weights: Weights) -> Weights:
 
 # ---------------------------------------------------------------------------------------------- export
 
-_EXPORT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
+_EXPORT_TYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q4_0": QT.Q4_0, "q8_0": QT.Q8_0}
 
 
 def byte_level_vocab(n_vocab: int) -> GGUFVocab:
@@ -413,7 +413,7 @@ def write_gguf(
         w.add_expert_used_count(cfg.n_expert_used)
         w.add_expert_feed_forward_length(cfg.n_ff_expert)
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shared)
-    w.add_file_type({QT.F32: 0, QT.F16: 1, QT.BF16: 32, QT.Q8_0: 7}[qtype])
+    w.add_file_type({QT.F32: 0, QT.F16: 1, QT.BF16: 32, QT.Q4_0: 2, QT.Q8_0: 7}[qtype])
     write_vocab(w, vocab)
 
     def put(name: str, array, matmul: bool = False, lookup: bool = False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -16,7 +17,7 @@ from .config import ModelConfig
 from .kernels import cpu_matmul
 from .kernels.cpu_matmul import (block_rows_matmul, block_rows_matmul_prologue, prologue_reference, q8_rows_matmul,
                                  q8_rows_matmul_prologue, rows_matmul)
-from .weights import Attention, BlockRows, DenseFfn, Fused, MatmulWeight, Q8Rows, Transposed
+from .weights import Attention, BlockRows, DenseFfn, Fused, GatheredInputs, MatmulWeight, Q8Rows, Transposed
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     `bench/results/small-weights-cpu.json`), so they take the same rule. f16/bf16 weights and other backends take
     the plain dot (no gain measured, or not measured).
     """
+    if isinstance(w, GatheredInputs):
+        return _gathered_linear(x, w, bias, live)
     lead = x.shape[:-1]
     m = math.prod(lead)
     live_rows = None if live is None else jnp.broadcast_to(live, lead).reshape(m)
@@ -193,6 +196,18 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
     else:
         y = eigen_dot(x.reshape(m, n_in), w, precision).reshape(*lead, n_out)
     return y if bias is None else y + bias
+
+
+def _gathered_linear(x: jax.Array | Prologued, w: GatheredInputs, bias, live) -> jax.Array:
+    """`linear` for a `GatheredInputs` weight, inside `shard_map`: x [..., K / n] this device's inputs (a gated norm's
+    input and gate both, its heads whole)."""
+    gather = lambda a: jnp.take(jax.lax.all_gather(a, w.axis, axis=-1, tiled=True), jnp.asarray(w.order), axis=-1)
+    if isinstance(x, Prologued) and x.prologue == "gated_rms_norm":
+        x = dataclasses.replace(x, x=gather(x.x), gate=gather(x.gate))
+    else:
+        x = gather(as_array(x))
+    y = linear(x, w.w, bias, live)
+    return jnp.where(jax.lax.axis_index(w.axis) == 0, y, 0.0)
 
 
 def project(x: jax.Array | Prologued, ws: Sequence[MatmulWeight | Fused | None],

@@ -232,10 +232,12 @@ def mtp_write_kv(weights: Weights, cfg: ModelConfig, batch: StepBatch, hidden_in
 class Model:
     """A loaded model: static config, device weights and the jitted steps (state donated)."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, *, path: str | None = None):
+    def __init__(self, cfg: ModelConfig, weights: Weights, *, path: str | None = None,
+                 layout_report: "sharding.LayoutReport | None" = None):
         self.cfg = cfg
         self.weights = to_device(weights)
         self.path = path
+        self.layout_report = layout_report  # a sharded model's: what splitting its weights did
         tp = cfg.tensor_parallel
         self.step = jax.jit(sharding.keeping_state_sharding(functools.partial(forward, cfg=cfg), tp),
                             static_argnames="final_only", donate_argnames="state")
@@ -246,14 +248,16 @@ class Model:
         """This model split over n devices (tensor parallelism, `jaxmodel.sharding`), and its routed experts
         besides over expert_parallel groups of n (expert parallelism; a MoE model): its weights laid out and placed
         on a mesh of the first n x expert_parallel `devices` (default: `jax.devices()`), every block running per
-        shard. Block-quantized weights are dequantized and fused products split (the sharded path multiplies float
-        weights). ValueError where a head count, width or the expert count does not divide."""
+        shard. Block-quantized weights are split along whole blocks (`layout_report` says which could not be and were
+        dequantized), fused products split. ValueError where a head count or the expert count does not divide."""
         if self.cfg.tensor_parallel is not None:
             raise ValueError("the model is sharded already")
-        tp = sharding.tensor_parallel(self.cfg, sharding.make_mesh(n, devices, expert_parallel))
+        tp = sharding.tensor_parallel(self.cfg, sharding.make_mesh(n, devices, expert_parallel),
+                                      sharding.FfnUnits.of(self.weights))
         cfg = self.cfg.replace(tensor_parallel=tp)
-        weights = sharding.shard_weights(self.weights, self.cfg, tp, transpose=sharding.uses_row_kernel(self.weights))
-        return Model(cfg, weights, path=self.path)
+        weights, report = sharding.shard_weights(self.weights, self.cfg, tp,
+                                                 transpose=sharding.uses_row_kernel(self.weights))
+        return Model(cfg, weights, path=self.path, layout_report=report)
 
     @property
     def state_cfg(self) -> ModelConfig:

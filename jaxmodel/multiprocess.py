@@ -7,7 +7,10 @@ same host state and its own shards of the weights and pools. Only process 0's en
 runtime that runs the device or changes host state that device calls read (`MIRRORED`) is first sent, as the
 method's name and arguments (the step's rows: tokens, positions, page tables, drafts), to every follower, which
 runs the same method on its own runtime: every process then runs the same programs in the same order with the
-same inputs, as SPMD over a mesh spanning processes requires, and only process 0 reads the results out.
+same inputs, as SPMD over a mesh spanning processes requires, and only process 0 reads the results out. Before that,
+with `--warmup-first`, every process warms up its own engine (each step shape run once, then the drafter policy's
+calibration): identical engines make the same device calls in the same order, so the warm-up needs no messages.
+Without it, steps compile on first use (a background warm-up, which interleaves with serving, is not offered).
 
 The calls travel over one socket per follower (`multiprocessing.connection`, authenticated; its address and key
 go through the coordination service's key-value store, which every process reaches already). The socket also
@@ -30,7 +33,8 @@ import jax
 log = logging.getLogger("gdnspec.multiprocess")
 
 # The methods of `executor.Runtime` the scheduler's steps call that run the device or change host state which later
-# device calls read; without warm-up and calibration, which are not mirrored, these are all of them.
+# device calls read. A warm-up (`--warmup-first`) is not mirrored: every process runs its own engine's, the same
+# device calls in the same order, before process 0 starts mirroring (`api.cli`).
 MIRRORED = ("step", "forward", "chain", "copy", "release_backlog")
 FOLLOWER_GONE_EXIT = 70
 _ADDRESS_KEY, _AUTHKEY_KEY = "gdnspec/mirror/address", "gdnspec/mirror/authkey"

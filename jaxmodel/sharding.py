@@ -24,14 +24,21 @@ heads in the order the local config expects (GDN value heads in tiled order over
 model has fewer KV heads (or GDN key heads) than devices, each one is repeated on the devices whose query (value)
 heads use it, as vLLM does; pools then hold that many copies.
 
-The sharded path multiplies float weights: block-quantized weights (Q8_0, K-quants) are dequantized when a model
-is sharded, fused products are split back into their parts, and large float32 weights are stored transposed for the
-CPU few-row kernel where the kernels build, as `load_model` does.
+Block-quantized weights (Q8_0, K-quants, ...) stay the file's blocks, split along whole blocks: a column-parallel
+weight by its rows (outputs), whose blocks are their own; a row-parallel one (attention o, GDN out, FFN down) by the
+blocks of each row, where every device's inputs are whole blocks. Each block's product is then one device's, the
+activation quantized over the same block, and only the psum adds the shards' partial sums. An FFN's hidden columns
+split in whole blocks of its down projection, as evenly as they go, the devices with fewer padded by zero columns
+(`ffn_columns`), so its width need not divide. A GDN out or attention o whose device inputs are not whole blocks
+(heads narrower than a block) is held whole on every device and multiplies all-gathered inputs on one
+(`weights.GatheredInputs`). Fused products are split back into their parts; large float32 weights are stored
+transposed for the CPU few-row kernel where the kernels build, as `load_model` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -41,10 +48,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from gguf import GGMLQuantizationType as QT
+
+from . import quant_blocks
 from .config import ModelConfig
 from .kernels import cpu_matmul
-from .weights import (Attention, BlockRows, DenseFfn, Fused, GatedDeltaNet, Layer, MoeFfn, Mtp, Q8Rows, Transposed,
-                      Weights, embedding_rows)
+from .weights import (Attention, BlockRows, DenseFfn, Fused, GatedDeltaNet, GatheredInputs, Layer, MoeFfn, Mtp,
+                      Q8Rows, Transposed, Weights, embedding_rows)
 
 AXIS = "tp"
 EXPERT_AXIS = "ep"
@@ -105,7 +115,8 @@ def _split_heads(n_heads: int, n: int, what: str) -> list[list[int]]:
 
 
 def check_divides(cfg: ModelConfig, n: int) -> None:
-    """Raise ValueError naming the first width of cfg that does not split over n devices."""
+    """Raise ValueError naming the first head count of cfg that does not split over n devices (FFN widths always
+    do: `ffn_columns` pads them)."""
     _layout(cfg, n)
 
 
@@ -134,9 +145,6 @@ def _layout(cfg: ModelConfig, n: int) -> _Layout:
         else:  # a key head shared by n / Hk devices: a part of its value heads each
             share, part = per_key // (n // Hk), d % (n // Hk)
             value_heads.append([r * Hk + keys[0] for r in range(part * share, (part + 1) * share)])
-    for name, width in (("FFN", cfg.n_ff), ("expert FFN", cfg.n_ff_expert), ("shared expert FFN", cfg.n_ff_shared)):
-        if width % n:
-            raise ValueError(f"{name}: width {width} does not split over {n} devices")
     return _Layout(q_heads, kv_heads, key_heads, value_heads)
 
 
@@ -148,20 +156,70 @@ def check_experts_divide(cfg: ModelConfig, n_groups: int) -> None:
         raise ValueError(f"routed experts: {cfg.n_expert} experts do not split over {n_groups} groups")
 
 
-def tensor_parallel(cfg: ModelConfig, mesh: Mesh) -> TensorParallel:
-    """The split of cfg over mesh (ValueError where a width or the expert count does not divide)."""
+def tensor_parallel(cfg: ModelConfig, mesh: Mesh, units: "FfnUnits | None" = None) -> TensorParallel:
+    """The split of cfg over mesh (ValueError where a head count or the expert count does not divide), its FFN
+    widths split in whole `units` (`FfnUnits.of` the weights; default: float weights)."""
     n = mesh.shape[AXIS]
+    units = units or FfnUnits()
     check_experts_divide(cfg, mesh.shape.get(EXPERT_AXIS, 1))
     lay = _layout(cfg, n)
     kv, keys = len(lay.kv_heads[0]), len(lay.key_heads[0])
+    width = lambda w, unit: len(ffn_columns(w, n, unit)[0]) if w else 0
     local = cfg.replace(n_head=cfg.n_head // n, n_head_kv=kv, ssm_groups=keys, ssm_heads=cfg.ssm_heads // n,
-                        n_ff=cfg.n_ff // n, n_ff_expert=cfg.n_ff_expert // n, n_ff_shared=cfg.n_ff_shared // n,
-                        tensor_parallel=None)  # fmt: skip
+                        n_ff=width(cfg.n_ff, units.dense), n_ff_expert=width(cfg.n_ff_expert, units.expert),
+                        n_ff_shared=width(cfg.n_ff_shared, units.shared), tensor_parallel=None)  # fmt: skip
     pools = cfg.replace(n_head_kv=n * kv, ssm_groups=n * keys, tensor_parallel=None)
     return TensorParallel(mesh, local, pools, vocab_split=n > 1 and cfg.n_vocab % n == 0)
 
 
 # ---------------------------------------------------------------------------------------------- weight layout
+#
+# Index lists name, per device, the outputs (column parallel) or inputs (row parallel) of a weight it holds, in its
+# order; -1 is a zero output or input, padding an FFN's hidden columns to the same width on every device.
+
+
+@dataclass
+class LayoutReport:
+    """What laying out one model's weights did: `blocks_kept` block-quantized weights (Q8_0, K-quants, ...) split
+    along whole blocks; `gathered` the row-parallel ones whose device inputs are not whole blocks, held whole on
+    every device (`GatheredInputs`); `padding_bytes` the zero blocks or columns added so that every device holds an
+    FFN width of whole blocks."""
+
+    blocks_kept: int = 0
+    gathered: list[str] = dataclasses.field(default_factory=list)
+    padding_bytes: int = 0
+
+    def summary(self) -> str:
+        text = f"{self.blocks_kept} quantized weights split along their blocks"
+        if self.gathered:
+            shown = ", ".join(self.gathered[:4]) + (", ..." if len(self.gathered) > 4 else "")
+            text += f", {len(self.gathered)} held whole on each device (inputs not whole blocks per device: {shown})"
+        if self.padding_bytes:
+            text += f", {self.padding_bytes / 2**20:.1f} MiB of zero padding (FFN widths of whole blocks per device)"
+        return text
+
+
+def _select(x: np.ndarray, axis: int, index) -> np.ndarray:
+    """x's entries `index` along axis, in that order, -1 giving zeros."""
+    index = np.asarray(index, dtype=np.int64)
+    if (index >= 0).all():
+        return np.take(x, index, axis=axis)
+    zero = np.zeros_like(np.take(x, [0], axis=axis))
+    return np.take(np.concatenate([x, zero], axis=axis), np.where(index < 0, x.shape[axis], index), axis=axis)
+
+
+def _block_indices(index, block: int) -> np.ndarray | None:
+    """The blocks of `block` inputs that `index` (inputs, -1 zeros) consists of, in order (-1 a zero block); None
+    where it is not whole blocks."""
+    index = np.asarray(index, dtype=np.int64)
+    if len(index) % block:
+        return None
+    first = index.reshape(-1, block)[:, 0]
+    zero = first < 0
+    expected = np.where(zero[:, None], -1, first[:, None] + np.arange(block))
+    if not (index.reshape(-1, block) == expected).all() or (first[~zero] % block).any():
+        return None
+    return np.where(zero, -1, first // block)
 
 
 def _dense(w) -> np.ndarray | None:
@@ -180,22 +238,92 @@ def _dense(w) -> np.ndarray | None:
     return np.asarray(w)
 
 
+def _file_order(w: BlockRows) -> np.ndarray:
+    return np.asarray(w.file_order().blocks)
+
+
+def _joined_blocks(w: BlockRows, parts: list[np.ndarray], axis: int) -> BlockRows:
+    """Each device's blocks (the file's order), in w's row order (row groups per device), concatenated."""
+    local = [dataclasses.replace(w, blocks=b, row_group=1) for b in parts]
+    local = [x.grouped() for x in local] if w.row_group > 1 else local
+    return dataclasses.replace(w, blocks=np.concatenate([np.asarray(x.blocks) for x in local], axis=axis))
+
+
+def _joined_q8(parts: list[tuple[np.ndarray, np.ndarray]], axis: int) -> Q8Rows:
+    local = [Q8Rows.from_file_order(q, s) for q, s in parts]
+    return Q8Rows(*(np.concatenate([np.asarray(getattr(x, f)) for x in local], axis=axis)
+                    for f in ("quants", "scales")))
+
+
+def _split_outputs(w, per_device: list, report: LayoutReport) -> object:
+    """w [.., n_in, n_out] split over its outputs (column parallel), each device's outputs `per_device[d]`,
+    device-major; block weights keep their blocks (a row's are its own)."""
+    if w is None:
+        return None
+    if isinstance(w, BlockRows):
+        report.blocks_kept += 1
+        blocks = _file_order(w)
+        return _joined_blocks(w, [_select(blocks, -2, idx) for idx in per_device], axis=-2)
+    if isinstance(w, Q8Rows):
+        report.blocks_kept += 1
+        quants, scales = (np.asarray(x) for x in w.file_order())
+        return _joined_q8([(_select(quants, 0, idx), _select(scales, 0, idx)) for idx in per_device], axis=0)
+    return _select(_dense(w), -1, np.concatenate(per_device))
+
+
+def _split_inputs(w, per_device: list, report: LayoutReport, where: str, inputs: np.ndarray | None = None) -> object:
+    """w [.., n_in, n_out] split over its inputs (row parallel), each device's inputs `per_device[d]`,
+    device-major. A block weight keeps its blocks where every device's inputs are whole blocks; else it is held
+    whole (`GatheredInputs`, noted in report), `inputs` (default: the lists themselves) naming w's input at each
+    position of the devices' lists concatenated."""
+    if w is None:
+        return None
+    if isinstance(w, (BlockRows, Q8Rows)):
+        qtype = w.qtype if isinstance(w, BlockRows) else QT.Q8_0
+        fmt = quant_blocks.FORMATS[qtype]
+        chosen = [_block_indices(idx, fmt.block) for idx in per_device]
+        if all(b is not None for b in chosen):
+            report.blocks_kept += 1
+            if isinstance(w, Q8Rows):
+                quants, scales = (np.asarray(x) for x in w.file_order())
+                return _joined_q8([(_select(quants, 1, idx), _select(scales, 1, b))
+                                   for idx, b in zip(per_device, chosen)], axis=1)
+            blocks = _file_order(w)
+            per_block = blocks.reshape(*blocks.shape[:-1], -1, fmt.block_bytes)
+            return _joined_blocks(w, [_select(per_block, -2, b).reshape(*blocks.shape[:-1], -1) for b in chosen],
+                                  axis=-1)
+        report.gathered.append(where)
+        inputs = np.concatenate(per_device) if inputs is None else inputs
+        return GatheredInputs(w, tuple(int(i) for i in np.argsort(inputs)), AXIS)
+    return _select(_dense(w), -2, np.concatenate(per_device))
+
+
+def _kept(w) -> object:
+    """A weight that is not split (replicated): as stored, a transposed one as a plain array (the transposition for
+    the CPU kernel is redone after the layout)."""
+    return _dense(w) if isinstance(w, Transposed) else w
+
+
+def _parts(w: Fused) -> list:
+    """A fused weight's parts, each in the fused weight's form."""
+    bounds = np.cumsum((0,) + w.sizes)
+    cut = lambda a, b: slice(int(a), int(b))
+    if isinstance(w.w, (BlockRows, Q8Rows)):
+        return [w.w.outputs(cut(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    if isinstance(w.w, Transposed):
+        return [Transposed(w.w.t[cut(a, b)]) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [w.w[:, cut(a, b)] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def _unfused(obj):
-    """A weights dataclass with its `Fused` products split back into their fields, every matmul weight dense."""
+    """A weights dataclass with its `Fused` products split back into their fields."""
     values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     names = _FUSED_FIELDS.get(type(obj), ())
     for i, name in enumerate(names):
         w = values[name]
         if isinstance(w, Fused):
-            parts = np.split(_dense(w.w), np.cumsum(w.sizes[:-1]), axis=-1)
-            values.update(dict(zip(names[i : i + len(parts)], parts, strict=True)))
-    return type(obj)(**{k: v if isinstance(v, (tuple, type(None))) or k == "out_heads" else _dense(v)
-                        for k, v in values.items()})
-
-
-def _take(x: np.ndarray, axis: int, per_device: list[list[int]]) -> np.ndarray:
-    """x's entries `per_device[d]` along axis, for each device in turn, concatenated (device-major)."""
-    return np.concatenate([np.take(x, idx, axis=axis) for idx in per_device], axis=axis)
+            values.update(dict(zip(names[i : i + len(w.sizes)], _parts(w), strict=True)))
+    return type(obj)(**values)
 
 
 def _span(heads: list[list[int]], width: int, offset: int = 0) -> list[list[int]]:
@@ -212,79 +340,176 @@ def _concat_lists(*parts: list[list[int]]) -> list[list[int]]:
     return [sum(ps, []) for ps in zip(*parts, strict=True)]
 
 
-def _lay_out_attention(w: Attention, cfg: ModelConfig, lay: _Layout) -> Attention:
+def _block_size(w) -> int:
+    """The inputs of one of w's quantization blocks (1 for a float weight)."""
+    if isinstance(w, BlockRows):
+        return quant_blocks.FORMATS[w.qtype].block
+    return quant_blocks.FORMATS[QT.Q8_0].block if isinstance(w, Q8Rows) else 1
+
+
+def ffn_columns(width: int, n: int, unit: int = 1) -> list[list[int]]:
+    """The hidden columns of an FFN of `width` each of n devices holds: consecutive runs of whole `unit`s (the down
+    projection's quantization block), as even as they go, each padded with zero columns (-1) to the widest.
+
+    Example: width 512 in blocks of 256 over 4 devices: [0..255], [256..511], and two devices of 256 zero columns;
+    over 2 devices, [0..255] and [256..511] without padding."""
+    n_units, extra = divmod(width // unit, n)
+    per_device = (n_units + (extra > 0)) * unit
+    columns, start = [], 0
+    for d in range(n):
+        count = (n_units + (d < extra)) * unit
+        columns.append(list(range(start, start + count)) + [-1] * (per_device - count))
+        start += count
+    return columns
+
+
+@dataclass(frozen=True)
+class FfnUnits:
+    """The quantization block each kind of FFN's hidden columns split in (the least common multiple of its down
+    projections' blocks over the layers; 1: float weights), so every device holds whole blocks of them."""
+
+    dense: int = 1
+    expert: int = 1
+    shared: int = 1
+
+    @staticmethod
+    def of(weights: Weights) -> "FfnUnits":
+        dense, expert, shared = 1, 1, 1
+        layers = list(weights.layers) + ([weights.mtp.layer] if weights.mtp is not None else [])
+        for layer in layers:
+            if isinstance(layer.ffn, DenseFfn):
+                dense = math.lcm(dense, _block_size(layer.ffn.down))
+            else:
+                expert = math.lcm(expert, _block_size(layer.ffn.down))
+                shared = math.lcm(shared, _block_size(layer.ffn.shared_down))
+        return FfnUnits(dense, expert, shared)
+
+
+def _lay_out_attention(w: Attention, cfg: ModelConfig, lay: _Layout, report: LayoutReport, where: str) -> Attention:
     D = cfg.head_dim
     q_cols, kv_cols, o_rows = _span(lay.q_heads, 2 * D), _span(lay.kv_heads, D), _span(lay.q_heads, D)
-    bias = lambda b, cols: None if b is None else _take(b, -1, cols)
-    return dataclasses.replace(w, q=_take(w.q, -1, q_cols), k=_take(w.k, -1, kv_cols), v=_take(w.v, -1, kv_cols),
-                               o=_take(w.o, -2, o_rows), q_bias=bias(w.q_bias, q_cols),
-                               k_bias=bias(w.k_bias, kv_cols), v_bias=bias(w.v_bias, kv_cols))
+    bias = lambda b, cols: None if b is None else _select(np.asarray(b), -1, np.concatenate(cols))
+    return dataclasses.replace(w, q=_split_outputs(w.q, q_cols, report), k=_split_outputs(w.k, kv_cols, report),
+                               v=_split_outputs(w.v, kv_cols, report),
+                               o=_split_inputs(w.o, o_rows, report, where + " o"),
+                               q_norm=np.asarray(w.q_norm), k_norm=np.asarray(w.k_norm),
+                               q_bias=bias(w.q_bias, q_cols), k_bias=bias(w.k_bias, kv_cols),
+                               v_bias=bias(w.v_bias, kv_cols))  # fmt: skip
 
 
-def _lay_out_gdn(w: GatedDeltaNet, cfg: ModelConfig, lay: _Layout) -> GatedDeltaNet:
+def _gdn_out(w: GatedDeltaNet, cfg: ModelConfig, lay: _Layout, report: LayoutReport, where: str):
+    """The GDN output projection split over the devices' value heads, and the local `out_heads`. A block `out`
+    whose inputs keep the file's head order (`out_heads`, qwen3next) is split along its file order, each device
+    naming where its heads' inputs lie; where that takes blocks apart it is held whole (`GatheredInputs`), each
+    device's output heads in tiled order."""
+    Dv = cfg.ssm_state
+    tiled = _span(lay.value_heads, Dv)
+    if w.out_heads is None:
+        return _split_inputs(w.out, tiled, report, where), None
+    place = np.argsort(w.out_heads)  # tiled head -> its input group in the file
+    groups = [sorted(int(place[h]) for h in heads) for heads in lay.value_heads]
+    local = {tuple(heads.index(w.out_heads[j]) for j in g) for heads, g in zip(lay.value_heads, groups)}
+    fmt = quant_blocks.FORMATS[w.out.qtype]
+    if len(local) == 1 and all(_block_indices(idx, fmt.block) is not None for idx in _span(groups, Dv)):
+        return _split_inputs(w.out, _span(groups, Dv), report, where), local.pop()
+    inputs = np.concatenate(tiled)  # each gathered input's place among the weight's (the file's order)
+    return _split_inputs(w.out, tiled, report, where, place[inputs // Dv] * Dv + inputs % Dv), None
+
+
+def _lay_out_gdn(w: GatedDeltaNet, cfg: ModelConfig, lay: _Layout, report: LayoutReport,
+                 where: str) -> GatedDeltaNet:
     Hk, Dk = cfg.ssm_groups, cfg.ssm_state
-    out = w.out
-    if w.out_heads is not None:  # out's inputs in the file's head order: into tiled order
-        out = out.reshape(cfg.ssm_heads, Dk, -1)[np.argsort(w.out_heads)].reshape(out.shape)
     channels = _concat_lists(_span(lay.key_heads, Dk), _span(lay.key_heads, Dk, Hk * Dk),
                              _span(lay.value_heads, Dk, 2 * Hk * Dk))
     values = _span(lay.value_heads, Dk)
-    return GatedDeltaNet(qkv=_take(w.qkv, -1, channels), gate=_take(w.gate, -1, values),
-                         conv=_take(np.asarray(w.conv), 0, channels), dt_bias=_take(np.asarray(w.dt_bias), 0,
-                                                                                    lay.value_heads),
-                         a=_take(np.asarray(w.a), 0, lay.value_heads), beta=_take(w.beta, -1, lay.value_heads),
-                         alpha=_take(w.alpha, -1, lay.value_heads), norm=w.norm, out=_take(out, -2, values))
+    pick = lambda x, per_device: _select(np.asarray(x), 0, np.concatenate(per_device))
+    out, out_heads = _gdn_out(w, cfg, lay, report, where + " out")
+    return GatedDeltaNet(qkv=_split_outputs(w.qkv, channels, report), gate=_split_outputs(w.gate, values, report),
+                         conv=pick(w.conv, channels), dt_bias=pick(w.dt_bias, lay.value_heads),
+                         a=pick(w.a, lay.value_heads), beta=_split_outputs(w.beta, lay.value_heads, report),
+                         alpha=_split_outputs(w.alpha, lay.value_heads, report), norm=np.asarray(w.norm), out=out,
+                         out_heads=out_heads)  # fmt: skip
 
 
-def _lay_out_ffn(w: DenseFfn | MoeFfn, n: int) -> DenseFfn | MoeFfn:
+def _swiglu_columns(gate, up, down, columns: list[list[int]], report: LayoutReport, where: str) -> tuple:
+    """An FFN's gate, up and down split over its hidden columns (`ffn_columns`); their zero columns counted."""
+    laid = (_split_outputs(gate, columns, report), _split_outputs(up, columns, report),
+            _split_inputs(down, columns, report, where))
+    padding = sum(c.count(-1) for c in columns) / sum(len(c) for c in columns)
+    report.padding_bytes += int(padding * sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(laid)))
+    return laid
+
+
+def _lay_out_ffn(w: DenseFfn | MoeFfn, n: int, units: FfnUnits, report: LayoutReport,
+                 where: str) -> DenseFfn | MoeFfn:
     if isinstance(w, DenseFfn):
-        cols = _chunks(w.gate.shape[-1], n)
-        return DenseFfn(gate=_take(w.gate, -1, cols), up=_take(w.up, -1, cols), down=_take(w.down, -2, cols))
-    cols, shared = _chunks(w.gate.shape[-1], n), _chunks(w.shared_gate.shape[-1], n)
-    return dataclasses.replace(w, gate=_take(w.gate, -1, cols), up=_take(w.up, -1, cols),
-                               down=_take(w.down, -2, cols), shared_gate=_take(w.shared_gate, -1, shared),
-                               shared_up=_take(w.shared_up, -1, shared), shared_down=_take(w.shared_down, -2, shared))
+        return DenseFfn(*_swiglu_columns(w.gate, w.up, w.down, ffn_columns(w.gate.shape[-1], n, units.dense), report,
+                                         where + " down"))
+    gate, up, down = _swiglu_columns(w.gate, w.up, w.down, ffn_columns(w.gate.shape[-1], n, units.expert), report,
+                                     where + " experts' down")
+    shared_gate, shared_up, shared_down = _swiglu_columns(
+        w.shared_gate, w.shared_up, w.shared_down, ffn_columns(w.shared_gate.shape[-1], n, units.shared), report,
+        where + " shared expert's down")
+    return MoeFfn(router=_kept(w.router), gate=gate, up=up, down=down, shared_router=np.asarray(w.shared_router),
+                  shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down)
 
 
-def _lay_out_layer(layer: Layer, cfg: ModelConfig, lay: _Layout, n: int) -> Layer:
+def _lay_out_layer(layer: Layer, cfg: ModelConfig, lay: _Layout, n: int, units: FfnUnits, report: LayoutReport,
+                   where: str) -> Layer:
     mixer, ffn = _unfused(layer.mixer), _unfused(layer.ffn)
-    mixer = (_lay_out_gdn(mixer, cfg, lay) if isinstance(mixer, GatedDeltaNet)
-             else _lay_out_attention(mixer, cfg, lay))  # fmt: skip
+    mixer = (_lay_out_gdn(mixer, cfg, lay, report, where) if isinstance(mixer, GatedDeltaNet)
+             else _lay_out_attention(mixer, cfg, lay, report, where))  # fmt: skip
     return Layer(attn_norm=np.asarray(layer.attn_norm), post_norm=np.asarray(layer.post_norm), mixer=mixer,
-                 ffn=_lay_out_ffn(ffn, n))
+                 ffn=_lay_out_ffn(ffn, n, units, report, where))
 
 
-def _table(x) -> np.ndarray:
-    """An embedding table [V, E] as a float numpy array."""
-    if isinstance(x, BlockRows):
-        return np.asarray(x.dequantized()).T
-    return np.asarray(x)
+def lay_out_weights(weights: Weights, cfg: ModelConfig, n: int,
+                    vocab_split: bool | None = None) -> tuple[Weights, LayoutReport]:
+    """The weights laid out device-major for n devices (see the module's docstring), in their stored forms: block
+    weights as blocks (a weight whose device inputs are not whole blocks dequantized), fused products split, the
+    rest numpy arrays; and what that did. vocab_split (default: n > 1 and the vocabulary divides): the output
+    heads split over the vocabulary (embedding tables, read by row, split as they are stored)."""
+    lay, units, report = _layout(cfg, n), FfnUnits.of(weights), LayoutReport()
+    vocab_split = (n > 1 and cfg.n_vocab % n == 0) if vocab_split is None else vocab_split
+    vocab = _chunks(cfg.n_vocab, n)
+    laid: dict[int, object] = {}  # tables and heads by identity: tied ones stay tied
 
+    def once(x, make):
+        if id(x) not in laid:
+            laid[id(x)] = make(x)
+        return laid[id(x)]
 
-def lay_out_weights(weights: Weights, cfg: ModelConfig, n: int) -> Weights:
-    """The weights as dense numpy arrays laid out device-major for n devices (see the module's docstring)."""
-    lay = _layout(cfg, n)
+    table = lambda x: once(x, lambda t: t if isinstance(t, BlockRows) else np.asarray(t))
+    head = lambda x: once(x, lambda h: _split_outputs(h, vocab, report) if vocab_split else _kept(h))
     mtp = weights.mtp
     if mtp is not None:
-        mtp = Mtp(eh_proj=_dense(mtp.eh_proj), enorm=np.asarray(mtp.enorm), hnorm=np.asarray(mtp.hnorm),
-                  head_norm=np.asarray(mtp.head_norm), embed=_table(mtp.embed), head=_dense(mtp.head),
-                  layer=_lay_out_layer(mtp.layer, cfg, lay, n))
-    return Weights(embed=_table(weights.embed), output_norm=np.asarray(weights.output_norm),
-                   output=_dense(weights.output), layers=tuple(_lay_out_layer(l, cfg, lay, n) for l in weights.layers),
-                   mtp=mtp)
+        mtp = Mtp(eh_proj=_kept(mtp.eh_proj), enorm=np.asarray(mtp.enorm), hnorm=np.asarray(mtp.hnorm),
+                  head_norm=np.asarray(mtp.head_norm), embed=table(mtp.embed), head=head(mtp.head),
+                  layer=_lay_out_layer(mtp.layer, cfg, lay, n, units, report, "MTP layer"))
+    layers = tuple(_lay_out_layer(l, cfg, lay, n, units, report, f"layer {i}") for i, l in enumerate(weights.layers))
+    return Weights(embed=table(weights.embed), output_norm=np.asarray(weights.output_norm),
+                   output=head(weights.output), layers=layers, mtp=mtp), report
 
 
 # -------------------------------------------------------------------------------------------------- the specs
 
 
-def _matmul_spec(w, split: str):
-    """The spec of a matmul weight [.., n_in, n_out] (or its `Transposed` form) split over its "out"puts (column
-    parallel) or "in"puts (row parallel)."""
+def _matmul_spec(w, split: str, experts: bool = False):
+    """The spec of a matmul weight [.., n_in, n_out] (in any stored form) split over its "out"puts (column
+    parallel) or "in"puts (row parallel); experts: its leading axis (routed experts) split over EXPERT_AXIS."""
     if w is None:
         return None
     if isinstance(w, Transposed):
         return Transposed(P(AXIS, None) if split == "out" else P(None, AXIS))
-    lead = (None,) * (np.ndim(w) - 2)
+    if isinstance(w, GatheredInputs):
+        return dataclasses.replace(w, w=_tree_spec(w.w, REPLICATED))
+    if isinstance(w, Q8Rows):  # [n_out, n_in] and [n_out, n_in / 32]
+        spec = P(AXIS, None) if split == "out" else P(None, AXIS)
+        return Q8Rows(spec, spec)
+    if isinstance(w, BlockRows):  # [..., n_out, row_bytes]: whole rows or whole blocks of each row
+        lead = (EXPERT_AXIS,) + (None,) * (w.blocks.ndim - 3) if experts else (None,) * (w.blocks.ndim - 2)
+        return dataclasses.replace(w, blocks=P(*lead, AXIS, None) if split == "out" else P(*lead, None, AXIS))
+    lead = (EXPERT_AXIS,) + (None,) * (np.ndim(w) - 3) if experts else (None,) * (np.ndim(w) - 2)
     return P(*lead, None, AXIS) if split == "out" else P(*lead, AXIS, None)
 
 
@@ -309,8 +534,9 @@ def ffn_specs(w: DenseFfn | MoeFfn):
         return DenseFfn(gate=_matmul_spec(w.gate, "out"), up=_matmul_spec(w.up, "out"),
                         down=_matmul_spec(w.down, "in"))
     # The routed experts [X, n_in, n_out]: whole experts over EXPERT_AXIS, their columns over AXIS.
-    return MoeFfn(router=REPLICATED, gate=P(EXPERT_AXIS, None, AXIS), up=P(EXPERT_AXIS, None, AXIS),
-                  down=P(EXPERT_AXIS, AXIS, None), shared_router=REPLICATED,
+    return MoeFfn(router=_tree_spec(w.router, REPLICATED), gate=_matmul_spec(w.gate, "out", experts=True),
+                  up=_matmul_spec(w.up, "out", experts=True), down=_matmul_spec(w.down, "in", experts=True),
+                  shared_router=REPLICATED,
                   shared_gate=_matmul_spec(w.shared_gate, "out"), shared_up=_matmul_spec(w.shared_up, "out"),
                   shared_down=_matmul_spec(w.shared_down, "in"))
 
@@ -320,18 +546,25 @@ def _layer_specs(layer: Layer) -> Layer:
 
 
 def _head_spec(w, vocab_split: bool):
-    return _matmul_spec(w, "out") if vocab_split else jax.tree.map(lambda _: REPLICATED, w)
+    return _matmul_spec(w, "out") if vocab_split else _tree_spec(w, REPLICATED)
+
+
+def _table_spec(table, vocab_split: bool):
+    """An embedding table [V, E] (or its blocks [V, row_bytes]) split over its rows, the vocabulary."""
+    if not vocab_split:
+        return _tree_spec(table, REPLICATED)
+    return dataclasses.replace(table, blocks=P(AXIS, None)) if isinstance(table, BlockRows) else P(AXIS, None)
 
 
 def weight_specs(weights: Weights, vocab_split: bool):
     """The PartitionSpec of every leaf of laid-out weights (`lay_out_weights`), as a tree of their classes."""
-    table = P(AXIS, None) if vocab_split else REPLICATED
     mtp = weights.mtp
     if mtp is not None:
-        mtp = Mtp(eh_proj=jax.tree.map(lambda _: REPLICATED, mtp.eh_proj), enorm=REPLICATED, hnorm=REPLICATED,
-                  head_norm=REPLICATED, embed=table, head=_head_spec(mtp.head, vocab_split),
-                  layer=_layer_specs(mtp.layer))
-    return Weights(embed=table, output_norm=REPLICATED, output=_head_spec(weights.output, vocab_split),
+        mtp = Mtp(eh_proj=_tree_spec(mtp.eh_proj, REPLICATED), enorm=REPLICATED, hnorm=REPLICATED,
+                  head_norm=REPLICATED, embed=_table_spec(mtp.embed, vocab_split),
+                  head=_head_spec(mtp.head, vocab_split), layer=_layer_specs(mtp.layer))
+    return Weights(embed=_table_spec(weights.embed, vocab_split), output_norm=REPLICATED,
+                   output=_head_spec(weights.output, vocab_split),
                    layers=tuple(_layer_specs(l) for l in weights.layers), mtp=mtp)
 
 
@@ -344,15 +577,23 @@ def named(mesh: Mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
-def shard_weights(weights: Weights, cfg: ModelConfig, tp: TensorParallel, transpose: bool) -> Weights:
-    """The weights laid out for tp's mesh and placed on it. transpose: store large float32 matmul weights
-    transposed for the CPU few-row kernel (`precision.transpose_matmul_weights`), as `load_model` does."""
+def shard_weights(weights: Weights, cfg: ModelConfig, tp: TensorParallel,
+                  transpose: bool) -> tuple[Weights, LayoutReport]:
+    """The weights laid out for tp's mesh (`lay_out_weights`) and placed on it, tied arrays placed once; and what
+    the layout did. transpose: store large float32 matmul weights transposed for the CPU few-row kernel
+    (`precision.transpose_matmul_weights`), as `load_model` does."""
     from .precision import transpose_matmul_weights
 
-    laid = lay_out_weights(weights, cfg, tp.size)
+    laid, report = lay_out_weights(weights, cfg, tp.size, tp.vocab_split)
     if transpose:
         laid = transpose_matmul_weights(laid)
-    return jax.device_put(laid, named(tp.mesh, weight_specs(laid, tp.vocab_split)))
+    leaves, tree = jax.tree.flatten(laid)
+    shardings = jax.tree.leaves(named(tp.mesh, weight_specs(laid, tp.vocab_split)))
+    placed: dict[tuple, jax.Array] = {}
+    for leaf, where in zip(leaves, shardings, strict=True):
+        if (id(leaf), where) not in placed:
+            placed[id(leaf), where] = jax.device_put(leaf, where)
+    return jax.tree.unflatten(tree, [placed[id(leaf), where] for leaf, where in zip(leaves, shardings)]), report
 
 
 def uses_row_kernel(weights: Weights) -> bool:
@@ -422,13 +663,13 @@ def embed(tp: TensorParallel, table, tokens: jax.Array) -> jax.Array:
         return embedding_rows(table, tokens)
 
     def body(table, tokens):
-        rows = table.shape[0]
+        rows = table.blocks.shape[0] if isinstance(table, BlockRows) else table.shape[0]
         local = tokens - jax.lax.axis_index(AXIS) * rows
         inside = (local >= 0) & (local < rows)
         found = embedding_rows(table, jnp.where(inside, local, 0))
         return _psum(tp, jnp.where(inside[..., None], found, 0.0), AXIS)
 
-    return _per_shard(tp, body, (P(AXIS, None), REPLICATED), REPLICATED)(table, tokens)
+    return _per_shard(tp, body, (_table_spec(table, True), REPLICATED), REPLICATED)(table, tokens)
 
 
 def head_logits(tp: TensorParallel, logits_at: Callable, hidden: jax.Array, rows: jax.Array, head, n_tokens):

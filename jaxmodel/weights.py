@@ -84,7 +84,7 @@ class Q8Rows:
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["blocks"],
-                   meta_fields=["qtype", "n_in", "compute_dtype", "row_group"])
+                   meta_fields=["qtype", "compute_dtype", "row_group"])
 @dataclass(frozen=True)
 class BlockRows:
     """A matmul weight [..., n_in, n_out] (or an embedding table [V, E]: n_out = V rows of n_in = E) kept as its
@@ -100,9 +100,14 @@ class BlockRows:
 
     blocks: jax.Array  # [..., n_out, row_bytes] uint8
     qtype: int  # ggml type (gguf.GGMLQuantizationType)
-    n_in: int
     compute_dtype: str = "float32"  # "float32" | "bfloat16"
     row_group: int = 1  # 1: the file's order
+
+    @property
+    def n_in(self) -> int:
+        """Inputs per row: the row's blocks times their weights (a shard's own, under tensor parallelism)."""
+        block, block_bytes = quant_blocks.FORMATS[self.qtype].block, quant_blocks.FORMATS[self.qtype].block_bytes
+        return self.blocks.shape[-1] // block_bytes * block
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -157,7 +162,29 @@ class BlockRows:
         return jnp.swapaxes(quant_blocks.dequantize(blocks, self.qtype), -1, -2).astype(self.compute_dtype)
 
 
-MatmulWeight = Union[jax.Array, Transposed, Q8Rows, BlockRows]
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["order", "axis"])
+@dataclass(frozen=True)
+class GatheredInputs:
+    """A row-parallel product's block weight (`jaxmodel.sharding`) whose inputs do not split into whole blocks per
+    device, held whole on every device of the mesh axis `axis`: the devices' inputs are all-gathered and put into
+    the weight's input order (input i is gathered position order[i]), and the first device multiplies them while
+    the others add 0 to the block's sum, so the product, the activation's quantization included, is one device's
+    (`layers.linear`). shape and dtype are the whole weight's."""
+
+    w: "MatmulWeight"
+    order: tuple[int, ...]
+    axis: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+
+MatmulWeight = Union[jax.Array, Transposed, Q8Rows, BlockRows, GatheredInputs]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w"], meta_fields=["sizes"])

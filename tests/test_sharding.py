@@ -1,7 +1,8 @@
-"""Tensor and expert parallelism (`jaxmodel.sharding`) on 2 and 4 CPU devices against one device: logits, the
-collectives of the compiled steps, and greedy output through the engine for plain decoding and every drafter and
-rollback mode (tensor parallel), plain decoding and MTP drafting (expert parallel, in groups of tensor-parallel
-devices); and two processes (`jaxmodel.multiprocess`) serving as one.
+"""Tensor and expert parallelism (`jaxmodel.sharding`) on 2 and 4 CPU devices against one device: logits of float
+and block-quantized models (their blocks split, not dequantized), the collectives of the compiled steps, and greedy
+output through the engine for plain decoding and every drafter and rollback mode, on a block-quantized model whose
+routed experts split over two groups of two tensor-parallel devices; and two processes (`jaxmodel.multiprocess`)
+serving as one.
 
 The suite's process keeps one device, so the checks run in one subprocess with 4 forced host devices
 (--xla_force_host_platform_device_count) and report back as JSON; the tests below read its report. The two
@@ -23,19 +24,27 @@ from conftest import long_test
 
 from jaxmodel.config import from_gguf
 from jaxmodel.gguf_layout import open_gguf
-from jaxmodel.sharding import check_divides, check_experts_divide
+from jaxmodel.sharding import check_divides, check_experts_divide, ffn_columns
 
 DATA = Path(__file__).parent / "data"
 N_DEVICES = 4
 MODELS = ("tiny-qwen35-mtp", "tiny-qwen35moe", "tiny-qwen3next")
+# Block-quantized: llama-quantize's Q4_K_M of the bundled target (FFN down in 256-input K blocks: at 4 devices its
+# 512 columns pad to one block each), and two tiny models written as Q4_0 by the checks (GDN heads of 16 inputs,
+# narrower than a 32-input block: GDN out is held whole where a device's heads are not whole blocks; the tiny
+# qwen3next's out keeps the file's head order).
+BLOCK_MODELS = ("bundled-target-q4_k_m", "tiny-qwen35-mtp-q4_0", "tiny-qwen3next-q4_0")
 LAYOUTS = (2, 4)
-# A sharded model sums each row-split product over the shards, in another order than one device does; at these
-# models' logits (|logit| up to about 4.5, after 4 to 8 layers) that moves them by up to about 4e-5. One device
-# under the same code (a mesh of one) gives the same bits (checked below), so the difference is that order alone.
+# A sharded float model sums each row-split product over the shards, in another order than one device does; at
+# these models' logits (|logit| up to about 4.5, after 4 to 8 layers) that moves them by up to about 4e-5. One
+# device under the same code (a mesh of one) gives the same bits (checked below), so the difference is that order
+# alone. A block-quantized model's products sum per block, and a block is never split: within the issue's 1e-5.
 LOGITS_TOLERANCE = 1e-4
-# The engine check: the model with MoE FFNs and an MTP head, its routed experts in two groups of two tensor-parallel
-# devices (both axes at once; its 2 KV heads each repeated within a group).
-ENGINE_MODEL = "tiny-qwen3next"
+BLOCK_LOGITS_TOLERANCE = 1e-5
+# The engine check: a block-quantized model with MoE FFNs and an MTP head, its routed experts in two groups of two
+# tensor-parallel devices (both axes at once; its 2 KV heads each repeated within a group).
+ENGINE_MODEL = "tiny-qwen3next-q4_0"
+SHORT_STEP_MODEL = "tiny-qwen3next"
 MAX_TOKENS = 12
 # Drafters, n_max, rollback; one n_max and prompts of one chunk (ENGINE's 16 tokens) keep the compiled shapes few.
 SPECS = {"plain": None, "mtp-snapshot": (("mtp",), 3, "snapshot"), "mtp-checkpoint": (("mtp",), 3, "checkpoint"),
@@ -46,8 +55,34 @@ EXPERT_LAYOUTS = {"tiny-qwen35moe": ((4, 1),), "tiny-qwen3next": ((4, 1), (2, 2)
 EXPERT_ENGINE_LAYOUT = (2, 2)
 
 
-def _checks() -> dict:
-    """Run in the subprocess: every check's raw results."""
+def write_q4_0(name: str, folder: Path) -> Path:
+    """tests/data/{name}.gguf's weights written as Q4_0 (`gguf_io.write_gguf`), into folder."""
+    from jaxmodel.gguf_io import read_gguf, write_gguf
+
+    cfg, weights, _ = read_gguf(DATA / f"{name}.gguf")
+    path = folder / f"{name}-q4_0.gguf"
+    write_gguf(path, cfg, weights, dtype="q4_0")
+    return path
+
+
+def _device_bytes(weights) -> int:
+    """The bytes of weights one device (the first) holds, each array once."""
+    import jax
+
+    return sum({id(x): x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(weights)}.values())
+
+
+def _float_matrices(weights) -> list[str]:
+    """The paths of weights' float matrices (2-D float32 leaves wider than 64 both ways)."""
+    import jax
+    import numpy as np
+
+    return [jax.tree_util.keystr(path) for path, x in jax.tree_util.tree_leaves_with_path(weights)
+            if x.dtype == np.float32 and x.ndim == 2 and min(x.shape) > 64]
+
+
+def _checks(folder: Path) -> dict:
+    """Run in the subprocess: every check's raw results. folder: where the Q4_0 models are written."""
     import jax
     import numpy as np
     from conftest import ENGINE, plain_greedy
@@ -59,10 +94,26 @@ def _checks() -> dict:
     from scheduler import Engine
 
     report: dict = {"devices": len(jax.devices()), "logits": {}, "skipped": {}, "expert_logits": {},
-                    "expert_collectives": {}, "expert_n_layer": {}}
+                    "expert_collectives": {}, "expert_n_layer": {}, "block_logits": {}, "block_layout": {}}
     tokens = list(range(3, 19))
-    models = {name: load_model(DATA / f"{name}.gguf") for name in MODELS}
-    for name, model in models.items():
+    paths = {name: DATA / f"{name}.gguf" for name in MODELS + BLOCK_MODELS[:1]}
+    paths.update({f"{name}-q4_0": write_q4_0(name, folder) for name in ("tiny-qwen35-mtp", "tiny-qwen3next")})
+    report["paths"] = {name: str(path) for name, path in paths.items()}
+    models = {name: load_model(path) for name, path in paths.items()}
+    for name in BLOCK_MODELS:
+        model = models[name]
+        logits, _ = model.score(tokens)
+        for n in LAYOUTS:
+            sharded = model.sharded(n)
+            got, _ = sharded.score(tokens)
+            report["block_logits"][f"{name}/{n}"] = [float(np.abs(got - logits).max()), float(np.abs(logits).max())]
+            laid = sharded.layout_report
+            report["block_layout"][f"{name}/{n}"] = {
+                "kept": laid.blocks_kept, "gathered": laid.gathered, "padding_bytes": laid.padding_bytes,
+                "device_bytes": _device_bytes(sharded.weights), "one_device_bytes": model.weights_bytes,
+                "float_matrices": _float_matrices(sharded.weights), "one_device_float": _float_matrices(model.weights)}
+    for name in MODELS:
+        model = models[name]
         logits, hidden = model.score(tokens)
         for n in ((1,) if name == MODELS[0] else ()) + LAYOUTS:
             try:
@@ -80,13 +131,13 @@ def _checks() -> dict:
                 report["n_layer"] = sharded.cfg.n_layer
         if name not in EXPERT_LAYOUTS:
             continue
-        short_logits, _ = model.score(tokens[:3]) if name == ENGINE_MODEL else (None, None)
+        short_logits, _ = model.score(tokens[:3]) if name == SHORT_STEP_MODEL else (None, None)
         for groups, n in EXPERT_LAYOUTS[name]:
             sharded = model.sharded(n, expert_parallel=groups)
             layout = f"{name}/ep{groups}xtp{n}"
             got, _ = sharded.score(tokens)
             report["expert_logits"][layout] = [float(np.abs(got - logits).max()), float(np.abs(logits).max())]
-            if name == ENGINE_MODEL:
+            if name == SHORT_STEP_MODEL:
                 got, text = _short_step(sharded, tokens[:3])
                 report["expert_logits"][f"{layout}/short"] = [float(np.abs(got - short_logits).max()),
                                                               float(np.abs(short_logits).max())]
@@ -95,11 +146,11 @@ def _checks() -> dict:
 
     model = models[ENGINE_MODEL]
     rng = np.random.default_rng(0)
-    # The last two: the model's first greedy token follows the prompt's last one earlier in the prompt (486 281;
-    # 472 66), so the n-gram lookup drafts (wrongly) after it.
+    # The last two: the model's first greedy token follows the prompt's last one earlier in the prompt (486 71;
+    # 472 27), so the n-gram lookup drafts (wrongly) after it.
     prompts = [tuple(int(t) for t in rng.integers(0, 500, 9)),
-               (43, 486, 281, 486, 480, 486, 385, 486, 344, 486, 32, 486, 419, 486, 92, 486),
-               (354, 472, 388, 472, 54, 472, 66, 472, 214, 472, 5, 472, 221, 472, 337, 472)]
+               (43, 486, 71, 486, 480, 486, 385, 486, 344, 486, 32, 486, 419, 486, 92, 486),
+               (354, 472, 27, 472, 54, 472, 66, 472, 214, 472, 5, 472, 221, 472, 337, 472)]
     report["prompts"], report["references"] = prompts, [plain_greedy(model, p, MAX_TOKENS) for p in prompts]
     # Every request at once, in steps of one compiled batch size: few shapes to compile.
     groups, n = EXPERT_ENGINE_LAYOUT
@@ -193,13 +244,15 @@ def _collective_source(line: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
+def report(tmp_path_factory) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={N_DEVICES}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     root = Path(__file__).parent.parent
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    folder = tmp_path_factory.mktemp("q4_0")
+    done = subprocess.run([sys.executable, __file__, str(folder)], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=root)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -212,6 +265,16 @@ def test_the_heads_of_each_layout_divide_or_the_layout_is_refused():
         check_divides(cfg, 4)
     check_divides(cfg, 2)
     check_divides(from_gguf(open_gguf(str(DATA / "tiny-qwen3next.gguf"))), 4)
+
+
+def test_ffn_columns_deal_whole_blocks_as_evenly_as_they_go_and_pad_the_rest():
+    """An FFN's hidden columns per device: whole blocks of the down projection, zero columns (-1) where a device
+    gets fewer, so every device holds the same width."""
+    assert ffn_columns(512, 2, 256) == [list(range(256)), list(range(256, 512))]
+    assert ffn_columns(512, 4, 256) == [list(range(256)), list(range(256, 512)), [-1] * 256, [-1] * 256]
+    assert ffn_columns(96, 2, 32) == [list(range(64)), list(range(64, 96)) + [-1] * 32]
+    assert ffn_columns(128, 4) == [list(range(32 * d, 32 * d + 32)) for d in range(4)]  # float: no padding
+    assert ffn_columns(6, 4) == [[0, 1], [2, 3], [4, -1], [5, -1]]
 
 
 def test_expert_parallelism_needs_experts_that_divide():
@@ -262,11 +325,42 @@ def test_sharded_engine_is_lossless_for_every_drafter_and_rollback_mode(report):
             assert sum(drafted for _, _, drafted in outs) > 0, label
 
 
+def test_block_quantized_logits_match_one_device(report):
+    """Block-quantized models on 2 and 4 devices give one device's logits within 1e-5 (these machines give the same
+    bits): no block is split, so each block's product, the activation's quantization included, is one device's."""
+    assert set(report["block_logits"]) == {f"{name}/{n}" for name in BLOCK_MODELS for n in LAYOUTS}
+    for layout, (difference, scale) in report["block_logits"].items():
+        assert difference <= BLOCK_LOGITS_TOLERANCE, (layout, difference, scale)
+
+
+def test_block_weights_are_split_along_their_blocks_not_dequantized(report):
+    """Each device holds its share of the file's blocks: no float matrix appears that one device does not hold (the
+    Q4_K_M target's float embedding tables are the file's own), and the first device's bytes shrink with the
+    devices. Where heads are narrower
+    than a block, GDN out is held whole (the tiny models' 16-input heads in 32-input Q4_0 blocks: at 2 devices
+    the tiny qwen35's tiled heads, at 4 both models'; the tiny qwen3next's out at 2 keeps the file's head order,
+    each device's heads whole blocks). FFN widths pad to whole blocks only where they must: the Q4_K_M target's
+    512 down-projection inputs (two 256-input blocks) at 4 devices."""
+    layouts = report["block_layout"]
+    for layout, laid in layouts.items():
+        assert laid["kept"] > 0 and laid["float_matrices"] == laid["one_device_float"], (layout, laid)
+    q4_k_m = "bundled-target-q4_k_m"
+    assert not layouts[f"{q4_k_m}/2"]["gathered"] and not layouts[f"{q4_k_m}/4"]["gathered"]
+    assert layouts[f"{q4_k_m}/2"]["padding_bytes"] == 0 < layouts[f"{q4_k_m}/4"]["padding_bytes"]
+    for name in BLOCK_MODELS:
+        one = layouts[f"{name}/2"]["one_device_bytes"]
+        two, four = (layouts[f"{name}/{n}"]["device_bytes"] for n in LAYOUTS)
+        assert four < two < 0.75 * one, (name, one, two, four)
+    gathered = {layout: len(laid["gathered"]) for layout, laid in layouts.items() if "q4_0" in layout}
+    assert gathered == {"tiny-qwen35-mtp-q4_0/2": 3, "tiny-qwen35-mtp-q4_0/4": 3, "tiny-qwen3next-q4_0/2": 0,
+                        "tiny-qwen3next-q4_0/4": 3}, gathered
+
+
 def test_expert_parallel_logits_match_one_device(report):
     """Routed experts split over 2 and 4 groups (alone, and with tensor parallelism in each group), for steps of
     many tokens (grouped expert products) and, on the tiny qwen3next, of few (gathered)."""
     want = {f"{name}/ep{groups}xtp{n}{label}" for name, layouts in EXPERT_LAYOUTS.items() for groups, n in layouts
-            for label in ("", "/short") if not label or name == ENGINE_MODEL}
+            for label in ("", "/short") if not label or name == SHORT_STEP_MODEL}
     assert set(report["expert_logits"]) == want
     for layout, (difference, scale) in report["expert_logits"].items():
         assert difference <= LOGITS_TOLERANCE, (layout, difference, scale)
@@ -309,18 +403,18 @@ def _wait_listening(port: int, processes, deadline: float) -> None:
 @long_test
 def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(report, tmp_path):
     """Two processes on loopback (`jax.distributed`, gloo CPU collectives), one host device each, one mesh of two
-    (tensor parallel 2): process 0 serves a request over the websocket with the tokens one device's plain greedy
-    decoding gives; then the follower is killed, and process 0 ends with FOLLOWER_GONE_EXIT and a line naming it
-    rather than waiting on its collectives. Plain decoding, one iteration per call: the fewest step shapes, which
-    the follower compiles for itself (the compilation cache serves only process 0); drafting through the sharded
-    step is checked on one process above."""
+    (tensor parallel 2) over a block-quantized model: both warm up (`--warmup-first`: every step shape run once and
+    the policy's calibration, in lockstep, before they meet), then process 0 serves a request over the websocket
+    with the tokens one device's plain greedy decoding gives; then the follower is killed, and process 0 ends with
+    FOLLOWER_GONE_EXIT and a line naming it rather than waiting on its collectives. One iteration per call, the
+    fewest step shapes; drafting through the sharded step is checked on one process above."""
     import anyio
 
     from api.client import Client
 
     from jaxmodel.multiprocess import FOLLOWER_GONE_EXIT
 
-    model_path = DATA / f"{ENGINE_MODEL}.gguf"
+    model_path = report["paths"][ENGINE_MODEL]
     prompt, want = report["prompts"][1], report["references"][1]  # one device's plain greedy tokens
     coordinator, port = _free_port(), _free_port()
     root = Path(__file__).parent.parent
@@ -330,11 +424,11 @@ def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(
     command = [sys.executable, "-m", "api.cli", "serve", "--model", str(model_path), "--tensor-parallel", "2",
                "--num-processes", "2", "--coordinator", f"127.0.0.1:{coordinator}", "--port", str(port),
                "--budget-mb", "4", "--max-seqs", "2", "--max-model-len", "64", "--default-drafters", "none",
-               "--iterations", "1"]
+               "--iterations", "1", "--warmup-first"]
     processes = [subprocess.Popen(command + ["--process-id", str(i)], env=env, cwd=root, text=True,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
     try:
-        _wait_listening(port, processes, time.monotonic() + 120)
+        _wait_listening(port, processes, time.monotonic() + 300)
 
         async def generate():
             with anyio.fail_after(120):
@@ -356,7 +450,8 @@ def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(
 
         processes[1].send_signal(signal.SIGKILL)
         assert processes[0].wait(timeout=60) == FOLLOWER_GONE_EXIT
-        assert "follower process 1 ended" in processes[0].stderr.read()
+        log = processes[0].stderr.read()
+        assert "follower process 1 ended" in log and "step shapes ready" in log, log[-4000:]
     finally:
         for process in processes:
             if process.poll() is None:
@@ -365,4 +460,4 @@ def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(
 
 
 if __name__ == "__main__":
-    print(json.dumps(_checks()))
+    print(json.dumps(_checks(Path(sys.argv[1]))))
