@@ -71,6 +71,11 @@ step step-0.8b 180 "$PY" -m bench.step --model "$MODEL_08B" --batches 1,16 --ver
 # One-row products as pairs of rows (`layers.paired_row_dot`), which XLA keeps as matrix products, against step-0.8b.
 step step-0.8b-paired-rows 90 env GDNSPEC_GPU_PAIR_ROWS=1 "$PY" -m bench.step --model "$MODEL_08B" --batches 1 \
     --verify-t 1 --profile --out "$OUT/step-0.8b-paired-rows.json"
+# The few-row product kernel (`kernels.row_product`): its tests compiled, then the steps with it, against step-0.8b.
+step row-kernel 60 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_row_product.py &&
+    step step-0.8b-row-kernel 120 env GDNSPEC_GPU_ROW_KERNEL=1 "$PY" -m bench.step --model "$MODEL_08B" \
+        --batches 1,16 --verify-t 1,4 --profile --hlo "$OUT/step-0.8b-row-kernel.hlo" \
+        --out "$OUT/step-0.8b-row-kernel.json"
 # The speculation table on the bundled model from a cold compilation cache (its warm-up is the cold start), then a
 # second process on the same shapes from the warm cache: its warm-up and wall time bound the time to a first token.
 step speculation 360 "$PY" -m bench.speculation --streams 1,16 --max-seqs 16 --drafters "plain;mtp;ngram;mtp,ngram" \
@@ -80,20 +85,14 @@ step warm-start 90 "$PY" -m bench.speculation --streams 1 --max-seqs 16 --drafte
 # The same steps with XLA's form of the GDN layers, for the kernel count and times before the fused kernel.
 step step-0.8b-xla-gdn 150 env GDNSPEC_GDN_FUSED=0 "$PY" -m bench.step --model "$MODEL_08B" --batches 1,16 \
     --verify-t 1,4 --rounds 2 --profile --hlo "$OUT/step-0.8b-xla-gdn.hlo" --out "$OUT/step-0.8b-xla-gdn.json"
-# The decode step with loops and conditionals in CUDA graphs (XLA's command buffers), against step-0.8b.
-step step-0.8b-command-buffers 90 env \
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
-    "$PY" -m bench.step --model "$MODEL_08B" --batches 1 --verify-t 1 --out "$OUT/step-0.8b-command-buffers.json"
 # The other kernels' tests, compiled.
 step kernels 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py
 # Block-quantized weights on the GPU (a llama-quantize Q4_K_M of the bundled target, carried in tests/data): the
 # file's bytes dequantized inside each step.
 step step-q4_k_m 90 "$PY" -m bench.step --model tests/data/bundled-target-q4_k_m.gguf --batches 1,16 \
     --verify-t 1,4 --out "$OUT/step-bundled-q4_k_m.json"
-# What an iteration of a looping call costs by kind (plain, the head's catch-up, lookup, mtp), with XLA's defaults and
-# with loops and conditionals in CUDA graphs, their conditions evaluated on the device.
+# What an iteration of a looping call costs by kind (plain, the head's catch-up, lookup, mtp). CUDA graphs (XLA's
+# command buffers) were measured on the H200 and left out since: no gain for the step, 13-15% off a later
+# iteration of every kind alike (docs/performance.md, "On a GPU").
 step iteration-cost 120 "$PY" -m bench.iteration_cost --rounds 3 --out "$OUT/iteration-cost.json"
-step iteration-cost-command-buffers 120 env \
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL" \
-    "$PY" -m bench.iteration_cost --rounds 3 --out "$OUT/iteration-cost-command-buffers.json"
 say "== done after $(($(date +%s) - start)) s"

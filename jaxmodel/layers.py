@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from .attention import attend
 from .config import ModelConfig
-from .kernels import cpu_matmul
+from .kernels import cpu_matmul, row_product
 from .kernels.cpu_matmul import (block_rows_matmul, block_rows_matmul_prologue, prologue_reference, q8_rows_matmul,
                                  q8_rows_matmul_prologue, rows_matmul)
 from .weights import Attention, BlockRows, DenseFfn, Fused, GatheredInputs, MatmulWeight, Q8Rows, Transposed
@@ -78,9 +78,13 @@ EIGEN_ROWS_MAX = 32  # above this (prefill chunks) YNNPACK's matrix product wins
 
 
 def small_row_form(m: int, w: jax.Array) -> str:
-    """Which product `linear` runs for m rows times w: "dot", "rows", "eigen" or "pair" (see linear)."""
+    """Which product `linear` runs for m rows times w: "dot", "rows", "eigen", "pair" or "kernel" (see linear)."""
     n_out = w.shape[1]
-    if m == 1 and jax.default_backend() == "gpu" and os.environ.get("GDNSPEC_GPU_PAIR_ROWS") == "1":
+    on_gpu = jax.default_backend() == "gpu"
+    if (on_gpu and m <= row_product.MAX_ROWS and os.environ.get("GDNSPEC_GPU_ROW_KERNEL") == "1"
+            and row_product.plan(w.shape[0], n_out) is not None):
+        return "kernel"
+    if m == 1 and on_gpu and os.environ.get("GDNSPEC_GPU_PAIR_ROWS") == "1":
         return "pair"
     if m <= 1 or m > EIGEN_ROWS_MAX or w.dtype != jnp.float32 or jax.default_backend() != "cpu":
         return "dot"
@@ -142,7 +146,9 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
       M <= 1 or M > 32: the plain dot;
       M = 2 (M <= 4 when n_out >= 16384, the LM head): M separate one-row products, each at the one-row rate;
       otherwise (M = 3..32): the dot on x^T (`eigen_dot`), which XLA runs with Eigen instead of YNNPACK.
-    On GPU with GDNSPEC_GPU_PAIR_ROWS=1, one row multiplies as a pair of rows (`paired_row_dot`).
+    On GPU with GDNSPEC_GPU_PAIR_ROWS=1, one row multiplies as a pair of rows (`paired_row_dot`); with
+    GDNSPEC_GPU_ROW_KERNEL=1, up to `row_product.MAX_ROWS` rows run the few-row product kernel
+    (`kernels.row_product`), where its `plan` takes the weight's shape. Both off until measured on a GPU.
     The rule follows `python -m bench.matmul_cpu --summarize bench/results/matmul-cpu.json`: against the plain dot,
     over one 0.8B step's products, the one-row products gain at M = 2 and the dot on x^T at 3-32, about even at 64
     and twice as slow at 256 (docs/performance.md, "Model step"). Cache-resident weights (the bundled model's) gain
@@ -193,6 +199,9 @@ def linear(x: jax.Array | Prologued, w: MatmulWeight, bias: jax.Array | None = N
                        for i in range(m)]).reshape(*lead, n_out)
     elif form == "pair":
         y = paired_row_dot(x.reshape(1, n_in), w, precision).reshape(*lead, n_out)
+    elif form == "kernel":
+        y = row_product.row_product(x.reshape(m, n_in), w, interpret=jax.default_backend() != "gpu")
+        y = y.reshape(*lead, n_out)
     else:
         y = eigen_dot(x.reshape(m, n_in), w, precision).reshape(*lead, n_out)
     return y if bias is None else y + bias

@@ -10,9 +10,8 @@ import jax
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "gpu_quick.sh"
-STEPS = ("fused-kernel", "kernels", "model-0.8b", "step-0.8b", "step-0.8b-paired-rows", "step-0.8b-xla-gdn",
-         "speculation", "warm-start", "step-0.8b-command-buffers", "step-q4_k_m", "iteration-cost",
-         "iteration-cost-command-buffers")
+STEPS = ("fused-kernel", "kernels", "model-0.8b", "step-0.8b", "step-0.8b-paired-rows", "row-kernel",
+         "step-0.8b-xla-gdn", "speculation", "warm-start", "step-q4_k_m", "iteration-cost")
 
 
 def run_script(out: Path, budget: int, **env) -> tuple[int, str]:
