@@ -407,6 +407,10 @@ def _gdn_out(w: GatedDeltaNet, cfg: ModelConfig, lay: _Layout, report: LayoutRep
     if w.out_heads is None:
         return _split_inputs(w.out, tiled, report, where), None
     place = np.argsort(w.out_heads)  # tiled head -> its input group in the file
+    if not isinstance(w.out, BlockRows):  # a float weight: its inputs into tiled order, then split
+        dense = _dense(w.out)
+        dense = dense.reshape(cfg.ssm_heads, Dv, -1)[place].reshape(dense.shape)
+        return _select(dense, -2, np.concatenate(tiled)), None
     groups = [sorted(int(place[h]) for h in heads) for heads in lay.value_heads]
     local = {tuple(heads.index(w.out_heads[j]) for j in g) for heads, g in zip(lay.value_heads, groups)}
     fmt = quant_blocks.FORMATS[w.out.qtype]
