@@ -249,7 +249,8 @@ class Model:
         besides over expert_parallel groups of n (expert parallelism; a MoE model): its weights laid out and placed
         on a mesh of the first n x expert_parallel `devices` (default: `jax.devices()`), every block running per
         shard. Block-quantized weights are split along whole blocks (`layout_report` says which could not be and were
-        dequantized), fused products split. ValueError where a head count or the expert count does not divide."""
+        held whole), products that share an input fused on each device. ValueError where a head count or the expert
+        count does not divide."""
         if self.cfg.tensor_parallel is not None:
             raise ValueError("the model is sharded already")
         tp = sharding.tensor_parallel(self.cfg, sharding.make_mesh(n, devices, expert_parallel),

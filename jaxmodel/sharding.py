@@ -31,8 +31,8 @@ activation quantized over the same block, and only the psum adds the shards' par
 split in whole blocks of its down projection, as evenly as they go, the devices with fewer padded by zero columns
 (`ffn_columns`), so its width need not divide. A GDN out or attention o whose device inputs are not whole blocks
 (heads narrower than a block) is held whole on every device and multiplies all-gathered inputs on one
-(`weights.GatheredInputs`). Fused products are split back into their parts; large float32 weights are stored
-transposed for the CPU few-row kernel where the kernels build, as `load_model` does.
+(`weights.GatheredInputs`). Products that share an input are fused on each device (`fuse_on_each_device`), and large
+float32 weights are stored transposed for the CPU few-row kernel where the kernels build, as `load_model` does.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from . import quant_blocks
 from .config import ModelConfig
 from .kernels import cpu_matmul
 from .weights import (Attention, BlockRows, DenseFfn, Fused, GatedDeltaNet, GatheredInputs, Layer, MoeFfn, Mtp,
-                      Q8Rows, Transposed, Weights, embedding_rows)
+                      Q8Rows, Transposed, Weights, embedding_rows, fuse_fields)
 
 AXIS = "tp"
 EXPERT_AXIS = "ep"
@@ -470,8 +470,8 @@ def _lay_out_layer(layer: Layer, cfg: ModelConfig, lay: _Layout, n: int, units: 
 def lay_out_weights(weights: Weights, cfg: ModelConfig, n: int,
                     vocab_split: bool | None = None) -> tuple[Weights, LayoutReport]:
     """The weights laid out device-major for n devices (see the module's docstring), in their stored forms: block
-    weights as blocks (a weight whose device inputs are not whole blocks dequantized), fused products split, the
-    rest numpy arrays; and what that did. vocab_split (default: n > 1 and the vocabulary divides): the output
+    weights as blocks (a row-parallel one whose device inputs are not whole blocks held whole), fused products split
+    (`fuse_on_each_device` fuses them again), the rest numpy arrays; and what that did. vocab_split (default: n > 1 and the vocabulary divides): the output
     heads split over the vocabulary (embedding tables, read by row, split as they are stored)."""
     lay, units, report = _layout(cfg, n), FfnUnits.of(weights), LayoutReport()
     vocab_split = (n > 1 and cfg.n_vocab % n == 0) if vocab_split is None else vocab_split
@@ -495,6 +495,61 @@ def lay_out_weights(weights: Weights, cfg: ModelConfig, n: int,
                    output=head(weights.output), layers=layers, mtp=mtp), report
 
 
+def _device_chunks(w, n: int) -> list:
+    """A laid-out column-parallel weight (device-major along its outputs) as its n devices' own weights."""
+    if isinstance(w, BlockRows):
+        return [dataclasses.replace(w, blocks=b) for b in np.split(np.asarray(w.blocks), n, axis=-2)]
+    if isinstance(w, Q8Rows):
+        return [Q8Rows(q, s) for q, s in zip(np.split(np.asarray(w.quants), n), np.split(np.asarray(w.scales), n))]
+    if isinstance(w, Transposed):
+        return [Transposed(t) for t in np.split(np.asarray(w.t), n)]
+    return np.split(np.asarray(w), n, axis=-1)
+
+
+def _joined_outputs(ws: list):
+    """The devices' own weights joined device-major along their outputs (the inverse of `_device_chunks`)."""
+    first = ws[0]
+    if isinstance(first, BlockRows):
+        return dataclasses.replace(first, blocks=np.concatenate([np.asarray(w.blocks) for w in ws], axis=-2))
+    if isinstance(first, Q8Rows):
+        return Q8Rows(np.concatenate([np.asarray(w.quants) for w in ws]),
+                      np.concatenate([np.asarray(w.scales) for w in ws]))
+    if isinstance(first, Transposed):
+        return Transposed(np.concatenate([np.asarray(w.t) for w in ws]))
+    return np.concatenate(ws, axis=-1)
+
+
+def _fused_on_each_device(obj, n: int):
+    """A laid-out weights dataclass with the products that share an input fused on each device, as
+    `weights.fuse_fields` fuses them on one: each device's parts side by side ([q_d | k_d | v_d]), joined
+    device-major, so that a shard holds its own fused weight and runs one product where it ran several."""
+    names = [name for name in _FUSED_FIELDS.get(type(obj), ()) if getattr(obj, name) is not None]
+    if len(names) < 2:
+        return obj
+    chunks = {name: _device_chunks(getattr(obj, name), n) for name in names}
+    fused = [fuse_fields(dataclasses.replace(obj, **{name: chunks[name][d] for name in names}), names)
+             for d in range(n)]
+    joined = {}
+    for name in names:
+        parts = [getattr(f, name) for f in fused]
+        if parts[0] is None:
+            joined[name] = None
+        elif isinstance(parts[0], Fused):
+            joined[name] = Fused(_joined_outputs([p.w for p in parts]), parts[0].sizes)
+    return dataclasses.replace(obj, **joined)
+
+
+def fuse_on_each_device(weights: Weights, n: int) -> Weights:
+    """Laid-out weights (`lay_out_weights`) with every layer's products that share an input fused on each of the n
+    devices (`_fused_on_each_device`): a GDN mixer's four input projections, an attention's q, k and v, an FFN's
+    gate and up, where their forms match."""
+    def layer(l: Layer) -> Layer:
+        return dataclasses.replace(l, mixer=_fused_on_each_device(l.mixer, n), ffn=_fused_on_each_device(l.ffn, n))
+
+    mtp = weights.mtp and dataclasses.replace(weights.mtp, layer=layer(weights.mtp.layer))
+    return dataclasses.replace(weights, layers=tuple(layer(l) for l in weights.layers), mtp=mtp)
+
+
 # -------------------------------------------------------------------------------------------------- the specs
 
 
@@ -507,6 +562,8 @@ def _matmul_spec(w, split: str, experts: bool = False):
         return Transposed(P(AXIS, None) if split == "out" else P(None, AXIS))
     if isinstance(w, GatheredInputs):
         return dataclasses.replace(w, w=_tree_spec(w.w, REPLICATED))
+    if isinstance(w, Fused):
+        return Fused(_matmul_spec(w.w, split, experts), w.sizes)
     if isinstance(w, Q8Rows):  # [n_out, n_in] and [n_out, n_in / 32]
         spec = P(AXIS, None) if split == "out" else P(None, AXIS)
         return Q8Rows(spec, spec)
@@ -591,6 +648,7 @@ def shard_weights(weights: Weights, cfg: ModelConfig, tp: TensorParallel,
     laid, report = lay_out_weights(weights, cfg, tp.size, tp.vocab_split)
     if transpose:
         laid = transpose_matmul_weights(laid)
+    laid = fuse_on_each_device(laid, tp.size)
     leaves, tree = jax.tree.flatten(laid)
     shardings = jax.tree.leaves(named(tp.mesh, weight_specs(laid, tp.vocab_split)))
     placed: dict[tuple, jax.Array] = {}

@@ -81,6 +81,15 @@ def _float_matrices(weights) -> list[str]:
             if x.dtype == np.float32 and x.ndim == 2 and min(x.shape) > 64]
 
 
+def _fused(weights) -> int:
+    """How many `Fused` products weights hold."""
+    import jax
+
+    from jaxmodel.weights import Fused
+
+    return sum(isinstance(x, Fused) for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, Fused)))
+
+
 def _checks(folder: Path) -> dict:
     """Run in the subprocess: every check's raw results. folder: where the Q4_0 models are written."""
     import jax
@@ -111,7 +120,8 @@ def _checks(folder: Path) -> dict:
             report["block_layout"][f"{name}/{n}"] = {
                 "kept": laid.blocks_kept, "gathered": laid.gathered, "padding_bytes": laid.padding_bytes,
                 "device_bytes": _device_bytes(sharded.weights), "one_device_bytes": model.weights_bytes,
-                "float_matrices": _float_matrices(sharded.weights), "one_device_float": _float_matrices(model.weights)}
+                "float_matrices": _float_matrices(sharded.weights), "one_device_float": _float_matrices(model.weights),
+                "fused": _fused(sharded.weights), "one_device_fused": _fused(model.weights)}
     # The Pallas kernels (interpreted here) per shard: the fused GDN decode kernel and the paged attention kernel,
     # forced on, in a 3-token step of the tiny qwen35 on 2 devices against one device under the same kernels.
     from jaxmodel import attention, gdn
@@ -356,7 +366,7 @@ def test_block_quantized_logits_match_one_device(report):
 def test_block_weights_are_split_along_their_blocks_not_dequantized(report):
     """Each device holds its share of the file's blocks: no float matrix appears that one device does not hold (the
     Q4_K_M target's float embedding tables are the file's own), and the first device's bytes shrink with the
-    devices. Where heads are narrower
+    devices; products that share an input stay fused, each device's parts side by side. Where heads are narrower
     than a block, GDN out is held whole (the tiny models' 16-input heads in 32-input Q4_0 blocks: at 2 devices
     the tiny qwen35's tiled heads, at 4 both models'; the tiny qwen3next's out at 2 keeps the file's head order,
     each device's heads whole blocks). FFN widths pad to whole blocks only where they must: the Q4_K_M target's
@@ -364,6 +374,7 @@ def test_block_weights_are_split_along_their_blocks_not_dequantized(report):
     layouts = report["block_layout"]
     for layout, laid in layouts.items():
         assert laid["kept"] > 0 and laid["float_matrices"] == laid["one_device_float"], (layout, laid)
+        assert laid["fused"] == laid["one_device_fused"] > 0, (layout, laid)  # fused on each device as on one
     q4_k_m = "bundled-target-q4_k_m"
     assert not layouts[f"{q4_k_m}/2"]["gathered"] and not layouts[f"{q4_k_m}/4"]["gathered"]
     assert layouts[f"{q4_k_m}/2"]["padding_bytes"] == 0 < layouts[f"{q4_k_m}/4"]["padding_bytes"]
