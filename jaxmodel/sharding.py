@@ -471,8 +471,9 @@ def lay_out_weights(weights: Weights, cfg: ModelConfig, n: int,
                     vocab_split: bool | None = None) -> tuple[Weights, LayoutReport]:
     """The weights laid out device-major for n devices (see the module's docstring), in their stored forms: block
     weights as blocks (a row-parallel one whose device inputs are not whole blocks held whole), fused products split
-    (`fuse_on_each_device` fuses them again), the rest numpy arrays; and what that did. vocab_split (default: n > 1 and the vocabulary divides): the output
-    heads split over the vocabulary (embedding tables, read by row, split as they are stored)."""
+    (`fuse_on_each_device` fuses them again), the rest numpy arrays; and what that did. vocab_split (default: n > 1
+    and the vocabulary divides): the output heads split over the vocabulary (embedding tables, read by row, split as
+    they are stored)."""
     lay, units, report = _layout(cfg, n), FfnUnits.of(weights), LayoutReport()
     vocab_split = (n > 1 and cfg.n_vocab % n == 0) if vocab_split is None else vocab_split
     vocab = _chunks(cfg.n_vocab, n)
