@@ -195,7 +195,9 @@ class LayoutReport:
             shown = ", ".join(self.gathered[:4]) + (", ..." if len(self.gathered) > 4 else "")
             text += f", {len(self.gathered)} held whole on each device (inputs not whole blocks per device: {shown})"
         if self.padding_bytes:
-            text += f", {self.padding_bytes / 2**20:.1f} MiB of zero padding (FFN widths of whole blocks per device)"
+            size = (f"{self.padding_bytes / 2**20:.1f} MiB" if self.padding_bytes >= 2**20 // 10
+                    else f"{self.padding_bytes / 2**10:.0f} KiB")
+            text += f", {size} of zero padding (FFN widths of whole blocks per device)"
         return text
 
 
