@@ -82,7 +82,7 @@ def small_row_form(m: int, w: jax.Array) -> str:
     n_out = w.shape[1]
     on_gpu = jax.default_backend() == "gpu"
     if (on_gpu and m <= row_product.MAX_ROWS and os.environ.get("GDNSPEC_GPU_ROW_KERNEL") == "1"
-            and row_product.plan(w.shape[0], n_out) is not None):
+            and w.shape[0] * n_out < row_product.XLA_GEMM_MIN_ELEMENTS and row_product.plan(w.shape[0], n_out)):
         return "kernel"
     if m == 1 and on_gpu and os.environ.get("GDNSPEC_GPU_PAIR_ROWS") == "1":
         return "pair"

@@ -31,6 +31,9 @@ MAX_ROWS = 8  # decode and short verify steps; longer steps are XLA's matrix pro
 MAX_BLOCK_N = 128
 MAX_BLOCK_K = 128
 TARGET_PROGRAMS = 512  # about four per SM of an H100 / H200 (132)
+# XLA's GPU compiler keeps a one-row product with a matrix of this many elements or more a matrix product (a GEMM,
+# which read the 0.8B shape's LM head at 2.8 TB/s on the H200), so `layers.linear` leaves those to it.
+XLA_GEMM_MIN_ELEMENTS = 10_000_000
 
 
 def row_product_reference(x: jax.Array, w: jax.Array) -> jax.Array:
