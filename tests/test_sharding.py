@@ -1,8 +1,8 @@
 """Tensor and expert parallelism (`jaxmodel.sharding`) on 2 and 4 CPU devices against one device: logits of float
 and block-quantized models (their blocks split, not dequantized), the collectives of the compiled steps, and greedy
 output through the engine for plain decoding and every drafter and rollback mode, on a block-quantized model whose
-routed experts split over two groups of two tensor-parallel devices; and two processes (`jaxmodel.multiprocess`)
-serving as one.
+routed experts split over two groups of two tensor-parallel devices, then next turns from its prefix cache; and two
+processes (`jaxmodel.multiprocess`) serving as one.
 
 The suite's process keeps one device, so the checks run in one subprocess with 4 forced host devices
 (--xla_force_host_platform_device_count) and report back as JSON; the tests below read its report. The two
@@ -174,10 +174,13 @@ def _checks(folder: Path) -> dict:
                (43, 486, 71, 486, 480, 486, 385, 486, 344, 486, 32, 486, 419, 486, 92, 486),
                (354, 472, 27, 472, 54, 472, 66, 472, 214, 472, 5, 472, 221, 472, 337, 472)]
     report["prompts"], report["references"] = prompts, [plain_greedy(model, p, MAX_TOKENS) for p in prompts]
+    # Next turns: each prompt, its greedy answer and one more token, which start from the first round's cached state.
+    next_turns = [p + tuple(r) + (7,) for p, r in zip(prompts, report["references"], strict=True)]
+    report["next_turn_references"] = [plain_greedy(model, p, MAX_TOKENS) for p in next_turns]
     # Every request at once, in steps of one compiled batch size: few shapes to compile.
     groups, n = EXPERT_ENGINE_LAYOUT
     engine = Engine(model, **{**ENGINE, "max_running": 16, "budget_bytes": 4 << 20}, row_buckets=(16,), adaptive=False,
-                    max_call_seconds=None, tensor_parallel=n, expert_parallel=groups)
+                    max_call_seconds=None, tensor_parallel=n, expert_parallel=groups, prefix_cache=True)
     engine.iterations = 4
     runtime = engine.runtime
     placed = jax.tree.map(lambda x: x.sharding, runtime.state)
@@ -190,14 +193,15 @@ def _checks(folder: Path) -> dict:
                                        **static).compile().as_text()  # fmt: skip
     report["step_collective_sources"] = sorted({_collective_source(line) for line in text.splitlines()} - {None})
 
-    report["engine"] = _serve_all(engine, prompts, SPECS)
+    report["engine"], report["next_turns"] = _serve_all(engine, prompts, SPECS, next_turns)
     report["state_kept_sharding"] = _same_placement(runtime.state, placed)
     return report
 
 
-def _serve_all(engine, prompts, labels) -> dict:
+def _serve_all(engine, prompts, labels, next_turns) -> tuple[dict, list]:
     """Every prompt under each of labels (keys of SPECS) through engine at once: per label, per prompt, the tokens,
-    the rollback steps and the tokens drafted."""
+    the rollback steps and the tokens drafted; then the next_turns at once, plain: their tokens and the prompt
+    tokens each took from the prefix cache."""
     import anyio
 
     from jaxmodel.requests import SpeculativeConfig
@@ -210,21 +214,29 @@ def _serve_all(engine, prompts, labels) -> dict:
                 out += event.token_ids
             elif isinstance(event, DoneEvent):
                 done = event
-        return out, dict(done.rollback_steps), sum(s.drafted for s in done.drafters.values())
+        return out, dict(done.rollback_steps), sum(s.drafted for s in done.drafters.values()), done.cached_tokens
 
     async def main():
         results = {label: [None] * len(prompts) for label in labels}
+        again = [None] * len(next_turns)
+
+        async def next_turn(i):
+            tokens, _, _, cached = await collect(GenerationRequest(next_turns[i], MAX_TOKENS))
+            again[i] = (tokens, cached)
 
         async def run(label, i):
             spec = SPECS[label] and SpeculativeConfig(SPECS[label][0], n_max=SPECS[label][1], rollback=SPECS[label][2])
-            results[label][i] = await collect(GenerationRequest(prompts[i], MAX_TOKENS, speculative=spec))
+            results[label][i] = (await collect(GenerationRequest(prompts[i], MAX_TOKENS, speculative=spec)))[:3]
 
         async with engine:
             async with anyio.create_task_group() as group:
                 for label in labels:
                     for i in range(len(prompts)):
                         group.start_soon(run, label, i)
-        return results
+            async with anyio.create_task_group() as group:
+                for i in range(len(next_turns)):
+                    group.start_soon(next_turn, i)
+        return results, again
 
     return anyio.run(main)
 
@@ -345,6 +357,16 @@ def test_sharded_engine_is_lossless_for_every_drafter_and_rollback_mode(report):
                 assert sum(rollback_steps.values()) == rollback_steps[mode] > 0, (label, prompt, rollback_steps)
         if label != "plain":
             assert sum(drafted for _, _, drafted in outs) > 0, label
+
+
+def test_sharded_next_turns_start_from_the_prefix_cache_and_decode_plain_greedy(report):
+    """The sharded engine with the prefix cache: after the first round, each prompt's next turn (the prompt, its
+    answer and one token more) starts from a cached state, a copy of the sharded planes and pages, and decodes one
+    device's plain greedy tokens."""
+    for (tokens, cached), want in zip(report["next_turns"], report["next_turn_references"], strict=True):
+        assert tokens == want
+        assert cached > 0
+    assert report["state_kept_sharding"] == []
 
 
 def test_pallas_kernels_run_per_shard(report):
