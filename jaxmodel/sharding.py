@@ -77,6 +77,7 @@ class TensorParallel:
     local: ModelConfig
     pools: ModelConfig
     vocab_split: bool
+    units: FfnUnits  # the blocks FFN columns split in, which `local`'s FFN widths count
 
     @property
     def size(self) -> int:
@@ -169,7 +170,7 @@ def tensor_parallel(cfg: ModelConfig, mesh: Mesh, units: "FfnUnits | None" = Non
                         n_ff=width(cfg.n_ff, units.dense), n_ff_expert=width(cfg.n_ff_expert, units.expert),
                         n_ff_shared=width(cfg.n_ff_shared, units.shared), tensor_parallel=None)  # fmt: skip
     pools = cfg.replace(n_head_kv=n * kv, ssm_groups=n * keys, tensor_parallel=None)
-    return TensorParallel(mesh, local, pools, vocab_split=n > 1 and cfg.n_vocab % n == 0)
+    return TensorParallel(mesh, local, pools, vocab_split=n > 1 and cfg.n_vocab % n == 0, units=units)
 
 
 # ---------------------------------------------------------------------------------------------- weight layout
@@ -280,9 +281,8 @@ def _split_inputs(w, per_device: list, report: LayoutReport, where: str, inputs:
     position of the devices' lists concatenated."""
     if w is None:
         return None
-    if isinstance(w, (BlockRows, Q8Rows)):
-        qtype = w.qtype if isinstance(w, BlockRows) else QT.Q8_0
-        fmt = quant_blocks.FORMATS[qtype]
+    fmt = _block_format(w)
+    if fmt is not None:
         chosen = [_block_indices(idx, fmt.block) for idx in per_device]
         if all(b is not None for b in chosen):
             report.blocks_kept += 1
@@ -342,11 +342,17 @@ def _concat_lists(*parts: list[list[int]]) -> list[list[int]]:
     return [sum(ps, []) for ps in zip(*parts, strict=True)]
 
 
+def _block_format(w) -> quant_blocks.BlockFormat | None:
+    """The ggml block format w is stored in (None for a float weight)."""
+    if isinstance(w, BlockRows):
+        return quant_blocks.FORMATS[w.qtype]
+    return quant_blocks.FORMATS[QT.Q8_0] if isinstance(w, Q8Rows) else None
+
+
 def _block_size(w) -> int:
     """The inputs of one of w's quantization blocks (1 for a float weight)."""
-    if isinstance(w, BlockRows):
-        return quant_blocks.FORMATS[w.qtype].block
-    return quant_blocks.FORMATS[QT.Q8_0].block if isinstance(w, Q8Rows) else 1
+    fmt = _block_format(w)
+    return 1 if fmt is None else fmt.block
 
 
 def ffn_columns(width: int, n: int, unit: int = 1) -> list[list[int]]:
@@ -415,8 +421,7 @@ def _gdn_out(w: GatedDeltaNet, cfg: ModelConfig, lay: _Layout, report: LayoutRep
         return _select(dense, -2, np.concatenate(tiled)), None
     groups = [sorted(int(place[h]) for h in heads) for heads in lay.value_heads]
     local = {tuple(heads.index(w.out_heads[j]) for j in g) for heads, g in zip(lay.value_heads, groups)}
-    fmt = quant_blocks.FORMATS[w.out.qtype]
-    if len(local) == 1 and all(_block_indices(idx, fmt.block) is not None for idx in _span(groups, Dv)):
+    if len(local) == 1 and all(_block_indices(idx, _block_size(w.out)) is not None for idx in _span(groups, Dv)):
         return _split_inputs(w.out, _span(groups, Dv), report, where), local.pop()
     inputs = np.concatenate(tiled)  # each gathered input's place among the weight's (the file's order)
     return _split_inputs(w.out, tiled, report, where, place[inputs // Dv] * Dv + inputs % Dv), None
@@ -469,14 +474,14 @@ def _lay_out_layer(layer: Layer, cfg: ModelConfig, lay: _Layout, n: int, units: 
                  ffn=_lay_out_ffn(ffn, n, units, report, where))
 
 
-def lay_out_weights(weights: Weights, cfg: ModelConfig, n: int,
-                    vocab_split: bool | None = None) -> tuple[Weights, LayoutReport]:
+def lay_out_weights(weights: Weights, cfg: ModelConfig, n: int, vocab_split: bool | None = None,
+                    units: FfnUnits | None = None) -> tuple[Weights, LayoutReport]:
     """The weights laid out device-major for n devices (see the module's docstring), in their stored forms: block
     weights as blocks (a row-parallel one whose device inputs are not whole blocks held whole), fused products split
     (`fuse_on_each_device` fuses them again), the rest numpy arrays; and what that did. vocab_split (default: n > 1
     and the vocabulary divides): the output heads split over the vocabulary (embedding tables, read by row, split as
-    they are stored)."""
-    lay, units, report = _layout(cfg, n), FfnUnits.of(weights), LayoutReport()
+    they are stored). units: the blocks FFN columns split in (default `FfnUnits.of(weights)`)."""
+    lay, units, report = _layout(cfg, n), units or FfnUnits.of(weights), LayoutReport()
     vocab_split = (n > 1 and cfg.n_vocab % n == 0) if vocab_split is None else vocab_split
     vocab = _chunks(cfg.n_vocab, n)
     laid: dict[int, object] = {}  # tables and heads by identity: tied ones stay tied
@@ -648,7 +653,7 @@ def shard_weights(weights: Weights, cfg: ModelConfig, tp: TensorParallel,
     (`precision.transpose_matmul_weights`), as `load_model` does."""
     from .precision import transpose_matmul_weights
 
-    laid, report = lay_out_weights(weights, cfg, tp.size, tp.vocab_split)
+    laid, report = lay_out_weights(weights, cfg, tp.size, tp.vocab_split, tp.units)
     if transpose:
         laid = transpose_matmul_weights(laid)
     laid = fuse_on_each_device(laid, tp.size)

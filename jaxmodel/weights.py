@@ -106,8 +106,8 @@ class BlockRows:
     @property
     def n_in(self) -> int:
         """Inputs per row: the row's blocks times their weights (a shard's own, under tensor parallelism)."""
-        block, block_bytes = quant_blocks.FORMATS[self.qtype].block, quant_blocks.FORMATS[self.qtype].block_bytes
-        return self.blocks.shape[-1] // block_bytes * block
+        fmt = quant_blocks.FORMATS[self.qtype]
+        return self.blocks.shape[-1] // fmt.block_bytes * fmt.block
 
     @property
     def shape(self) -> tuple[int, ...]:
