@@ -24,12 +24,16 @@ def _model_paths(args) -> tuple[str, str | None]:
 
 
 def _use_compile_cache() -> None:
-    """Keep compiled steps on disk so that a restarted server skips most of its warm-up."""
+    """Keep compiled steps on disk so that a restarted server skips most of its warm-up: JAX's persistent cache,
+    and beside it the step executables themselves (`executor.executables`), which a restart loads untraced."""
     import jax
+
+    from jaxmodel.executor.executables import keep_beside_jax_cache
 
     path = os.environ.get("GDNSPEC_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "gdnspec", "jax"))
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    keep_beside_jax_cache()
 
 
 def _build_engine(args):

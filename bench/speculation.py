@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import platform
 import statistics
@@ -46,6 +47,7 @@ from drafters.draft_model import check_same_vocab
 from drafters.synthetic import SyntheticDrafter
 from jaxmodel import load_model
 from jaxmodel.assets import default_draft_path
+from jaxmodel.executor.executables import keep_beside_jax_cache
 from jaxmodel.state import KV_DTYPES
 from jaxmodel.tokenizer import load_tokenizer
 from scheduler import DoneEvent, Engine, GenerationRequest, Replicas, TokensEvent
@@ -106,6 +108,7 @@ CACHE_EVENTS = "/jax/compilation_cache/"
 
 
 def run(args) -> dict:
+    steps = keep_beside_jax_cache()  # with JAX_COMPILATION_CACHE_DIR set, as a server keeps them
     model = load_model(args.model)
     tokenizer = load_tokenizer(args.model)
     draft = None
@@ -143,7 +146,8 @@ def run(args) -> dict:
             if event.startswith(CACHE_EVENTS) else None)
         shapes = engine.warmup()
         out["warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - start,
-                         "compilation_cache": dict(cache_events)}
+                         "compilation_cache": dict(cache_events),
+                         "step_store": None if steps is None else dataclasses.asdict(steps.counts)}
         async with engine:
             for n_streams in streams:
                 plain_tokens = None

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import executables
+
 _BIT_CAST = frozenset({"float32", "uint32"})
 _DTYPE_NAMES = {np.dtype(name): name for name in ("int32", "bool", *_BIT_CAST)}
 
@@ -120,11 +122,18 @@ class PackedCall:
     arrays (None for an absent one), static the jit-static keyword arguments. The outputs' layout is recorded when
     the call is traced, which happens before the first call of each layout and static arguments and again whenever
     jit's cache has let that executable go; `traced` says whether the calling thread's last call traced (and so
-    also compiled, unless a cache held it), which makes its time no measure of a step.
+    also compiled, unless a cache held it) or loaded its executable, which makes its time no measure of a step.
+
+    A named call whose caller passes `held` (a dict of its own, for one set of weights and state whose shapes and
+    placement never change) takes its executables from the store `executables.keep_executables` keeps, when one is
+    kept: loaded from disk, or compiled and saved there; `held` keeps them for that caller's later calls, and calls
+    of other callers with the same key share them. `name` must say what `fn` is (its function and model config).
     """
 
-    def __init__(self, fn, static_argnames: tuple[str, ...] = ()):
+    def __init__(self, fn, static_argnames: tuple[str, ...] = (), name: str | None = None):
+        self.name = name
         self._out_layouts: dict[tuple, Layout] = {}
+        self._shared: dict[str, jax.stages.Compiled] = {}  # by store key
         # Per thread: runtimes of one model share a call (`runtime._compiled`), and engines side by side call it
         # from threads of their own; one thread's trace says nothing of another's call.
         self._thread = threading.local()
@@ -136,21 +145,66 @@ class PackedCall:
             self._out_layouts[layout, _static_key(static)] = out_layout
             return buffer, state
 
-        self._jitted = jax.jit(packed, static_argnames=("layout", *static_argnames), donate_argnames="state")
+        self._packed, self._static_argnames = packed, ("layout", *static_argnames)
+        self._jitted = jax.jit(packed, static_argnames=self._static_argnames, donate_argnames="state")
 
-    def compile(self, weights, state, inputs: dict, **static) -> None:
-        """Trace and compile the call these arguments make, without running it (nothing is donated): a later call
-        of the same layout and static arguments finds the executable where jit keeps it. Safe to run from several
-        threads at once; XLA compiles without holding the GIL, so distinct shapes then compile side by side."""
+    def compile(self, weights, state, inputs: dict, held: dict | None = None, **static) -> None:
+        """Trace and compile the call these arguments make (or load it, as `__call__` would), without running it
+        (nothing is donated): a later call of the same layout and static arguments finds the executable where jit
+        (or `held`) keeps it. Safe to run from several threads at once; XLA compiles without holding the GIL, so
+        distinct shapes then compile side by side."""
         buffer, layout = pack(inputs)
-        self._jitted.lower(weights, state, buffer, layout=layout, **static).compile()
+        store = self._store(held)
+        if store is not None:
+            self._executable(store, held, weights, state, buffer, layout, static)
+        else:
+            self._jitted.lower(weights, state, buffer, layout=layout, **static).compile()
 
-    def __call__(self, weights, state, inputs: dict, **static):
+    def __call__(self, weights, state, inputs: dict, held: dict | None = None, **static):
         buffer, layout = pack(inputs)
         n_traces = self._n_traces
-        out, state = self._jitted(weights, state, buffer, layout=layout, **static)
+        store = self._store(held)
+        if store is not None:
+            executable = held.get((layout, _static_key(static)))
+            if executable is None:
+                executable = self._executable(store, held, weights, state, buffer, layout, static)
+            out, state = executable(weights, state, buffer)
+        else:
+            out, state = self._jitted(weights, state, buffer, layout=layout, **static)
         self._thread.traced = self._n_traces > n_traces
         return unpack_host(np.asarray(out), self._out_layouts[layout, _static_key(static)]), state
+
+    def _named(self, name: str):
+        """The call jitted as a function called `name` (jit reads the arguments' names, the donated state's among
+        them, through `__wrapped__`)."""
+        @functools.wraps(self._packed)
+        def packed(*args, **kwargs):
+            return self._packed(*args, **kwargs)
+
+        packed.__name__ = packed.__qualname__ = name
+        return jax.jit(packed, static_argnames=self._static_argnames, donate_argnames="state")
+
+    def _store(self, held: dict | None):
+        return executables.store() if held is not None and self.name is not None else None
+
+    def _executable(self, store, held: dict, weights, state, buffer, layout: Layout, static: dict):
+        """The executable of this shape for `held`'s caller: shared, loaded from the store, or compiled and
+        saved there."""
+        static_key = _static_key(static)
+        key = store.key(self.name, (weights, state, buffer), (layout, static_key))
+        executable = self._shared.get(key)
+        if executable is None:
+            found = store.load(key)
+            if found is not None:
+                executable, self._out_layouts[layout, static_key] = found
+            else:  # lowering traces, which records the outputs' layout
+                lowered = self._named(executables.module_name(key)).lower(weights, state, buffer, layout=layout,
+                                                                          **static)
+                executable = store.compile_and_save(key, lowered, self._out_layouts[layout, static_key])
+            self._shared[key] = executable
+        held[layout, static_key] = executable
+        self._thread.n_traces = self._n_traces + 1  # this call's time includes finding its executable
+        return executable
 
     @property
     def _n_traces(self) -> int:

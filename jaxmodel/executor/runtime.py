@@ -56,7 +56,7 @@ def _compiled(cfg: ModelConfig):
     tp = cfg.tensor_parallel
     step = PackedCall(keeping_state_sharding(functools.partial(speculative_step, cfg=cfg), tp),
                       static_argnames=("final_only", "n_max", "max_iterations", "draft_vocab", "rebuild_rows",
-                                       "lookup_width"))
+                                       "lookup_width"), name=f"speculative_step {cfg!r}")
 
     def chain(weights, state, **inputs):
         drafts, n_drafted, state = draft_chain(weights, cfg, state=state, **inputs)
@@ -66,8 +66,8 @@ def _compiled(cfg: ModelConfig):
         state = rebuild(weights, cfg, state, *args, **kwargs)
         return state if tp is None else constrain_state(state, tp)
 
-    return (step, PackedCall(keeping_state_sharding(chain, tp), static_argnames=("n_max",)),
-            jax.jit(rebuilt, donate_argnames="state"))
+    chain = PackedCall(keeping_state_sharding(chain, tp), static_argnames=("n_max",), name=f"draft_chain {cfg!r}")
+    return step, chain, jax.jit(rebuilt, donate_argnames="state")
 
 
 class Runtime:
@@ -126,6 +126,7 @@ class Runtime:
         width = 1 + lookup_drafts
         self.lookup_width = (shapes.tokens(width) if shapes is not None else width) if lookup_drafts else 0
         self._step, self._chain, self._rebuild = _compiled(model.cfg)
+        self._executables: dict = {}  # this runtime's stored executables (`executables`), by shape
         self.costs = StepCosts(shapes, rebuild_rows)  # measured by `costs.calibrate`
 
     @property
@@ -237,9 +238,9 @@ class Runtime:
         inputs = dict(batch=batch, verify_in=verify_in, chain=chain, loop=loop, backlog=backlog,
                       replay=replay_inputs(self, rows, B, T, final_only, lookup))
         (out, more), self.state = self._step(
-            self.model.weights, self.state, inputs, final_only=final_only, n_max=self.mtp_chain_max,
-            max_iterations=max_iterations, draft_vocab=self.draft_vocab, rebuild_rows=self.rebuild_rows,
-            lookup_width=self.lookup_width if lookup else 0,
+            self.model.weights, self.state, inputs, held=self._executables, final_only=final_only,
+            n_max=self.mtp_chain_max, max_iterations=max_iterations, draft_vocab=self.draft_vocab,
+            rebuild_rows=self.rebuild_rows, lookup_width=self.lookup_width if lookup else 0,
         )  # fmt: skip
         n_accepted, tokens, drafts, n_drafted = out.n_accepted, out.tokens, out.drafts, out.n_drafted
         # Python ints a row at a time, not numpy scalars an element at a time: a call of 64 iterations of 16 rows
@@ -282,8 +283,8 @@ class Runtime:
             planes[b, : len(chain_planes[b][:n])] = chain_planes[b][:n]
             wanted[b], floor[b] = n_chain[b], p_min[b]
         (drafts, n_drafted), self.state = self._chain(
-            self.model.weights, self.state, dict(batch=batch, chain_planes=planes, n_chain=wanted, p_min=floor), n_max=n
-        )
+            self.model.weights, self.state, dict(batch=batch, chain_planes=planes, n_chain=wanted, p_min=floor),
+            held=self._executables, n_max=n)
         return [drafts[b, : n_drafted[b]].tolist() for b in range(len(rows))]
 
     def _warmup_calls(self) -> Iterator[tuple[int, int, dict, dict]]:
@@ -311,7 +312,7 @@ class Runtime:
         write nothing. Nothing is compiled until the generator runs; between two shapes the runtime may run real
         steps."""
         for B, T, inputs, static in self._warmup_calls():
-            self.state = self._step(self.model.weights, self.state, inputs, **static)[1]
+            self.state = self._step(self.model.weights, self.state, inputs, held=self._executables, **static)[1]
             yield B, T
 
     def warmup_copies(self) -> Iterator[int]:
@@ -329,7 +330,7 @@ class Runtime:
         run meanwhile (they may compile the same shape twice)."""
         def compile_one(call: tuple[int, int, dict, dict]) -> None:
             _, _, inputs, static = call
-            self._step.compile(self.model.weights, self.state, inputs, **static)
+            self._step.compile(self.model.weights, self.state, inputs, held=self._executables, **static)
 
         calls = list(self._warmup_calls())
         with concurrent.futures.ThreadPoolExecutor(max(threads, 1), thread_name_prefix="gdnspec-compile") as pool:
@@ -349,7 +350,8 @@ class Runtime:
             zeros = np.zeros((B,), np.int32)
             inputs = dict(batch=batch, chain_planes=np.full((B, self.n_chain_max), -1, np.int32), n_chain=zeros,
                           p_min=zeros.astype(np.float32))
-            self.state = self._chain(self.model.weights, self.state, inputs, n_max=self.n_chain_max)[1]
+            self.state = self._chain(self.model.weights, self.state, inputs, held=self._executables,
+                                     n_max=self.n_chain_max)[1]
             yield B, T
             if self.shapes.is_long(T):
                 out, self.state = self.model.step(self.model.weights, batch=batch, state=self.state, final_only=True)
