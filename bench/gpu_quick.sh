@@ -77,7 +77,9 @@ step row-kernel 60 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_row_prod
         --batches 1,16 --verify-t 1,4 --profile --hlo "$OUT/step-0.8b-row-kernel.hlo" \
         --out "$OUT/step-0.8b-row-kernel.json"
 # The speculation table on the bundled model from a cold compilation cache (its warm-up is the cold start), then a
-# second process on the same shapes from the warm cache: its warm-up and wall time bound the time to a first token.
+# second process on the same shapes from the warm cache, which holds the step executables themselves too
+# (`executor.executables`; `warmup.step_store` counts its loads): its warm-up and wall time bound the time to a first
+# token.
 step speculation 360 "$PY" -m bench.speculation --streams 1,16 --max-seqs 16 --drafters "plain;mtp;ngram;mtp,ngram" \
     --repeats 2 --out "$OUT/speculation.json"
 step warm-start 90 "$PY" -m bench.speculation --streams 1 --max-seqs 16 --drafters plain --repeats 1 \

@@ -10,6 +10,8 @@ processes are servers of their own, one host device each."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import signal
@@ -97,6 +99,8 @@ def _checks(folder: Path) -> dict:
     from conftest import ENGINE, plain_greedy
 
     from jaxmodel import load_model
+    from jaxmodel.executor import executables
+    from jaxmodel.executor import runtime as runtime_module
     from jaxmodel.sharding import count_collectives, state_specs
     from jaxmodel.state import Row, pack_batch
     from jaxmodel.executor.host_io import pack
@@ -177,10 +181,13 @@ def _checks(folder: Path) -> dict:
     # Next turns: each prompt, its greedy answer and one more token, which start from the first round's cached state.
     next_turns = [p + tuple(r) + (7,) for p, r in zip(prompts, report["references"], strict=True)]
     report["next_turn_references"] = [plain_greedy(model, p, MAX_TOKENS) for p in next_turns]
-    # Every request at once, in steps of one compiled batch size: few shapes to compile.
+    # Every request at once, in steps of one compiled batch size: few shapes to compile. The step executables are
+    # kept on disk (`executor.executables`), for the second engine below.
+    store = executables.keep_executables(folder / "steps")
     groups, n = EXPERT_ENGINE_LAYOUT
-    engine = Engine(model, **{**ENGINE, "max_running": 16, "budget_bytes": 4 << 20}, row_buckets=(16,), adaptive=False,
-                    max_call_seconds=None, tensor_parallel=n, expert_parallel=groups, prefix_cache=True)
+    engine_args = dict(**{**ENGINE, "max_running": 16, "budget_bytes": 4 << 20}, row_buckets=(16,), adaptive=False,
+                       max_call_seconds=None, tensor_parallel=n, expert_parallel=groups, prefix_cache=True)
+    engine = Engine(model, **engine_args)
     engine.iterations = 4
     runtime = engine.runtime
     placed = jax.tree.map(lambda x: x.sharding, runtime.state)
@@ -195,6 +202,16 @@ def _checks(folder: Path) -> dict:
 
     report["engine"], report["next_turns"] = _serve_all(engine, prompts, SPECS, next_turns)
     report["state_kept_sharding"] = _same_placement(runtime.state, placed)
+
+    # A second engine of the same layout on the model loaded again, with no jitted call in memory (as a restarted
+    # server): its sharded steps come from the store.
+    saved = store.counts.saved
+    runtime_module._compiled = functools.lru_cache(maxsize=None)(runtime_module._compiled.__wrapped__)
+    again = Engine(load_model(paths[ENGINE_MODEL]), **engine_args)
+    again.iterations = 4
+    report["stored_engine"] = _serve_all(again, prompts, ["plain", "mtp-snapshot"], [])[0]
+    report["stored_counts"] = {"saved_first": saved, "shapes_again": len(again.runtime._executables),
+                               **dataclasses.asdict(store.counts)}
     return report
 
 
@@ -367,6 +384,16 @@ def test_sharded_next_turns_start_from_the_prefix_cache_and_decode_plain_greedy(
         assert tokens == want
         assert cached > 0
     assert report["state_kept_sharding"] == []
+
+
+def test_a_second_sharded_engine_loads_the_stored_steps_and_decodes_the_same(report):
+    """The sharded engine's step executables, saved as it compiled them, are what a second engine of the same layout
+    runs (loaded, none compiled), and its plain and MTP rows give one device's plain greedy tokens."""
+    counts = report["stored_counts"]
+    assert counts["saved_first"] > 0 and counts["saved"] == counts["saved_first"]
+    assert counts["hits"] == counts["shapes_again"] > 0 and counts["unreadable"] == 0
+    for label, outs in report["stored_engine"].items():
+        assert [tokens for tokens, _, _ in outs] == report["references"], label
 
 
 def test_pallas_kernels_run_per_shard(report):
