@@ -171,7 +171,12 @@ def keep_beside_jax_cache() -> ExecutableStore | None:
 
 def store() -> ExecutableStore | None:
     """The store `keep_executables` set, unless this is one of several processes."""
-    return _store if _store is not None and jax.process_count() == 1 else None
+    return _store if _store is not None and _one_process() else None
+
+
+@functools.lru_cache(maxsize=1)
+def _one_process() -> bool:  # asked first at a step, after any `jax.distributed.initialize`
+    return jax.process_count() == 1
 
 
 # ---------------------------------------------------------------------------------------------------- the key
@@ -198,7 +203,8 @@ def _switches() -> tuple:
     """The settings, read at each key, that change what a step traces or compiles to."""
     env = tuple(sorted((k, v) for k, v in os.environ.items()
                        if (k.startswith("GDNSPEC_") and k not in _UNRELATED_ENV) or k == "XLA_FLAGS"))
-    return env, jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision)
+    return env, tuple(str(getattr(jax.config, name, None)) for name in ("jax_enable_x64",
+                                                                           "jax_default_matmul_precision"))
 
 
 def _cpu_flags() -> str:
