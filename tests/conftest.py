@@ -111,6 +111,28 @@ def plain_greedy(model, prompt_ids, n: int, stop_ids=frozenset()) -> list[int]:
     return tokens[len(prompt_ids) :]
 
 
+def generate_all(engine, requests) -> list[list[int]]:
+    """Each request's tokens, the requests sent to `engine` all at once (the engine runs for the call)."""
+    import anyio
+
+    from scheduler import GenerationRequest, TokensEvent
+
+    results: list[list[int]] = [[] for _ in requests]
+
+    async def run(i: int, request: GenerationRequest) -> None:
+        async for event in engine.generate(request):
+            if isinstance(event, TokensEvent):
+                results[i] += event.token_ids
+
+    async def main() -> None:
+        async with engine, anyio.create_task_group() as tg:
+            for i, request in enumerate(requests):
+                tg.start_soon(run, i, request)
+
+    anyio.run(main)
+    return results
+
+
 def tolerance(n_tokens: int) -> float:
     """float32 against the float64 reference; rounding accumulates along the sequence."""
     return 2e-6 * (1 + n_tokens / 16)

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import functools
 
-import anyio
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DATA, plain_greedy
+from conftest import DATA, generate_all, plain_greedy
 
 from jaxmodel import load_model
 from jaxmodel.executor import executables, runtime
 from jaxmodel.executor.host_io import PackedCall
 from jaxmodel.requests import SpeculativeConfig
-from scheduler.engine import Engine, GenerationRequest, TokensEvent
+from scheduler.engine import Engine, GenerationRequest
 
 
 @pytest.fixture
@@ -117,25 +116,9 @@ def _serve(model, prompts, specs) -> tuple[list[list[int]], int]:
     """Greedy tokens of each prompt under its SpeculativeConfig (None: plain), all at once on one engine; and how
     many step shapes it ran. One iteration per call: the loops' shapes take seconds more to compile, and an
     executable is saved and loaded the same whatever it computes."""
-    results = [None] * len(prompts)
     engine = Engine(model, adaptive=False, budget_bytes=2 << 20, max_running=4, row_buckets=(4,), max_model_len=64,
                     chunk_size=16, token_budget=48, n_max=3, iterations=1)
-
-    async def main():
-        async def run(i):
-            tokens = []
-            request = GenerationRequest(prompts[i], MAX_TOKENS, speculative=specs[i])
-            async for event in engine.generate(request):
-                if isinstance(event, TokensEvent):
-                    tokens += event.token_ids
-            results[i] = tokens
-
-        async with engine:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(run, i)
-
-    anyio.run(main)
+    results = generate_all(engine, [GenerationRequest(p, MAX_TOKENS, speculative=s) for p, s in zip(prompts, specs)])
     return results, len(engine.runtime._executables)
 
 

@@ -5,11 +5,10 @@ file, and every drafter and rollback mode reproduces plain greedy decoding on it
 
 from __future__ import annotations
 
-import anyio
 import jax
 import numpy as np
 import pytest
-from conftest import DATA, plain_greedy
+from conftest import DATA, generate_all, plain_greedy
 from gguf import GGMLQuantizationType as QT
 
 from jaxmodel import load_model
@@ -17,7 +16,7 @@ from jaxmodel.assets import default_draft_path
 from jaxmodel.kernels import cpu_matmul
 from jaxmodel.requests import SpeculativeConfig
 from jaxmodel.weights import BlockRows, Fused, Q8Rows
-from scheduler import Engine, GenerationRequest, TokensEvent
+from scheduler import Engine, GenerationRequest
 
 needs_kernel = pytest.mark.skipif(not cpu_matmul.block_kernels(), reason="the block products need AVX2 and g++")
 FILE = DATA / "bundled-target-q4_k_m.gguf"
@@ -73,25 +72,9 @@ def test_every_drafter_and_rollback_mode_is_lossless(target):
         spec = SpeculativeConfig(drafters, n_max=3, rollback=modes[i % 3]) if drafters else None
         jobs.append((prompts[i % len(prompts)], GenerationRequest(prompts[i % len(prompts)], MAX_TOKENS,
                                                                   speculative=spec)))
-    results = [None] * len(jobs)
-
-    async def main():
-        # One batch size compiled (steps of fewer rows pad to it): the point is the drafters, not the shapes.
-        engine = Engine(target, draft_model=draft, adaptive=False, budget_bytes=16 << 20, max_running=6,
-                        row_buckets=(8,), max_model_len=64, chunk_size=16, token_budget=48, n_max=3)
-
-        async def run(i, request):
-            tokens = []
-            async for event in engine.generate(request):
-                if isinstance(event, TokensEvent):
-                    tokens += event.token_ids
-            results[i] = tokens
-
-        async with engine:
-            async with anyio.create_task_group() as tg:
-                for i, (_, request) in enumerate(jobs):
-                    tg.start_soon(run, i, request)
-
-    anyio.run(main)
+    # One batch size compiled (steps of fewer rows pad to it): the point is the drafters, not the shapes.
+    engine = Engine(target, draft_model=draft, adaptive=False, budget_bytes=16 << 20, max_running=6,
+                    row_buckets=(8,), max_model_len=64, chunk_size=16, token_budget=48, n_max=3)
+    results = generate_all(engine, [request for _, request in jobs])
     for (prompt, request), tokens in zip(jobs, results):
         assert tokens == references[prompt], request.speculative
