@@ -77,6 +77,20 @@ def test_an_unreadable_file_is_removed_and_its_shape_compiled_again(store):
     assert int(out["total"]) == 13 and store.counts.hits == 1
 
 
+def test_a_store_that_cannot_be_written_or_made_leaves_the_steps_running(store, tmp_path):
+    """A folder gone (or a full disk) when a shape is saved: the step runs unsaved, and the next start compiles it
+    again; a cache folder that cannot be made: the server keeps no store."""
+    store.directory.rmdir()
+    store.directory.write_bytes(b"")  # a file where the folder was: every write fails
+    state = jnp.zeros((2,), jnp.float32)
+    out, state = _call()(WEIGHTS, state, FOUR, held={}, scale=2)
+    assert int(out["total"]) == 13 and store.counts.not_saved == 1 and store.counts.saved == 0
+    out, state = _call()(WEIGHTS, state, FOUR, held={}, scale=2)
+    assert int(out["total"]) == 13 and store.counts.hits == 0
+    (tmp_path / "cache").write_bytes(b"")
+    assert executables.keep_beside_jax_cache(tmp_path / "cache") is None and executables.store() is None
+
+
 def test_the_key_follows_what_changes_a_compiled_step(store, monkeypatch):
     args = (WEIGHTS, jnp.zeros((2,), jnp.float32), np.zeros((4,), np.int32))
     key = store.key("step", args, ("layout", 2))

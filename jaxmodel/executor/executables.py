@@ -87,7 +87,9 @@ class ExecutableStore:
         path = self._path(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except OSError as exc:  # absent, or a folder this process cannot read
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("cannot read stored executable %s: %s", path.name, exc)
             self.counts.misses += 1
             return None
         try:
@@ -124,10 +126,17 @@ class ExecutableStore:
             return compiled
         path = self._path(key)
         temporary = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        temporary.write_bytes(data)
-        os.replace(temporary, path)  # whole or absent, for a reader in another process
+        try:
+            temporary.write_bytes(data)
+            os.replace(temporary, path)  # whole or absent, for a reader in another process
+            self._prune()
+        except OSError as exc:  # a full disk, a folder gone or made read-only: the step runs unsaved
+            log.warning("cannot store executable %s: %s", path.name, exc)
+            with contextlib.suppress(OSError):
+                temporary.unlink(missing_ok=True)
+            self.counts.not_saved += 1
+            return compiled
         self.counts.saved += 1
-        self._prune()
         return compiled
 
     def _prune(self) -> None:
@@ -160,13 +169,17 @@ def keep_executables(directory: str | os.PathLike | None, max_bytes: int = 4 << 
     return _store
 
 
-def keep_beside_jax_cache() -> ExecutableStore | None:
-    """Keep compiled steps in a `steps` folder of JAX's persistent cache directory, where one is set, unless
-    GDNSPEC_STEP_STORE=0; returns the store."""
-    directory = jax.config.jax_compilation_cache_dir
+def keep_beside_jax_cache(directory: str | os.PathLike | None = None) -> ExecutableStore | None:
+    """Keep compiled steps in a `steps` folder of `directory` (default: JAX's persistent cache directory, where one
+    is set), unless GDNSPEC_STEP_STORE=0; returns the store."""
+    directory = directory or jax.config.jax_compilation_cache_dir
     if not directory or os.environ.get("GDNSPEC_STEP_STORE", "1") == "0":
         return None
-    return keep_executables(Path(directory) / "steps")
+    try:
+        return keep_executables(Path(directory) / "steps")
+    except OSError as exc:  # a cache folder that cannot be made: serve without
+        log.warning("not keeping compiled steps in %s: %s", directory, exc)
+        return keep_executables(None)
 
 
 def store() -> ExecutableStore | None:
