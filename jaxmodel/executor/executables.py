@@ -30,6 +30,7 @@ import logging
 import os
 import pickle
 import threading
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # of the files; a file of another format is a miss
+FORMAT = 2  # of the files (zlib-compressed pickles); a file of another format is a miss
 SUFFIX = ".executable"
 # Environment variables that never change a compiled step (a secret among them).
 _UNRELATED_ENV = frozenset({"GDNSPEC_API_KEY", "GDNSPEC_CACHE", "GDNSPEC_STEP_STORE"})
@@ -93,7 +94,7 @@ class ExecutableStore:
             self.counts.misses += 1
             return None
         try:
-            entry = pickle.loads(data)
+            entry = pickle.loads(zlib.decompress(data))
             if entry["format"] != FORMAT:
                 raise ValueError(f"format {entry['format']}, not {FORMAT}")
             compiled = serialize_executable.deserialize_and_load(entry["executable"], entry["in_tree"],
@@ -118,8 +119,8 @@ class ExecutableStore:
             return compiled
         try:
             executable, in_tree, out_tree = serialize_executable.serialize(compiled)
-            data = pickle.dumps(dict(format=FORMAT, executable=executable, in_tree=in_tree, out_tree=out_tree,
-                                     extra=extra))  # fmt: skip
+            entry = dict(format=FORMAT, executable=executable, in_tree=in_tree, out_tree=out_tree, extra=extra)
+            data = zlib.compress(pickle.dumps(entry), 1)  # a fifth of the bytes, milliseconds to inflate
         except Exception as exc:  # e.g. an executable with constants folded in, which JAX cannot serialize
             log.info("not storing executable %s: %s", key[:16], exc)
             self.counts.not_saved += 1
