@@ -3,7 +3,8 @@ lowering and compiling it again.
 
 JAX's persistent compilation cache saves the compile alone: every shape is still traced and lowered to StableHLO
 before its cache key can be computed, and on a warm start that is most of the time (docs/performance.md, "A warm
-start loads the steps"). An `ExecutableStore` keys a shape's executable by what decides it without tracing it:
+start loads the step executables"). An `ExecutableStore` keys a shape's executable by what decides it without
+tracing it:
 
 - the model code (a digest of the `jaxmodel` package's sources), JAX's version, the devices and their platform;
 - the environment that changes what is traced or compiled (GDNSPEC_* switches, XLA_FLAGS, JAX's x64 and matmul
@@ -11,11 +12,12 @@ start loads the steps"). An `ExecutableStore` keys a shape's executable by what 
 - the call's name (its function and the model's config), its arguments' tree, shapes, dtypes and placement, and its
   static arguments.
 
-A miss compiles the shape and saves it; a hit deserializes it, about a fifth of a second on CPU. A shape's module is
-named after its key: an executable JAX loaded from its own cache cannot be serialized again on CPU (its code is not
-kept), and the name keeps JAX's cache from holding a shape this store has not saved. A file that cannot be
-read is removed and its shape compiled again. Loading an executable runs code, so the store lives in the user's own
-cache directory, as JAX's does. With several processes (`jax.distributed`) no store is used.
+A miss compiles the shape and saves it; a hit deserializes it, about a quarter of a second of a core on CPU. A
+shape's module is named after its key: an executable JAX loaded from its own cache cannot be serialized again on
+CPU (its code is not kept), and the name keeps JAX's cache from holding a shape this store has not saved. A file
+that cannot be read is removed and its shape compiled again; a folder that cannot be written leaves the shape
+unsaved. Loading an executable runs code, so the store lives in the user's own cache directory, as JAX's does.
+With several processes (`jax.distributed`) no store is used.
 
 `PackedCall` (host_io) uses the store kept by `keep_executables`: `gdnspec serve` and `bench.speculation` keep one
 in a `steps` folder of JAX's cache directory (`keep_beside_jax_cache`; GDNSPEC_STEP_STORE=0 keeps none).
@@ -54,7 +56,7 @@ class StoreCounts:
     misses: int = 0
     saved: int = 0
     unreadable: int = 0  # files removed because they could not be loaded
-    not_saved: int = 0  # compiled executables that could not be serialized
+    not_saved: int = 0  # compiled executables that could not be serialized or written
 
 
 @dataclass
@@ -101,11 +103,13 @@ class ExecutableStore:
                                                                  entry["out_tree"])
         except Exception as exc:  # a truncated or foreign file, or one this JAX cannot load: compile again
             log.warning("removing stored executable %s: %s", path.name, exc)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
             self.counts.unreadable += 1
             self.counts.misses += 1
             return None
-        os.utime(path)
+        with contextlib.suppress(OSError):  # another process may have pruned it meanwhile
+            os.utime(path)
         self.counts.hits += 1
         return compiled, entry["extra"]
 
@@ -130,7 +134,6 @@ class ExecutableStore:
         try:
             temporary.write_bytes(data)
             os.replace(temporary, path)  # whole or absent, for a reader in another process
-            self._prune()
         except OSError as exc:  # a full disk, a folder gone or made read-only: the step runs unsaved
             log.warning("cannot store executable %s: %s", path.name, exc)
             with contextlib.suppress(OSError):
@@ -138,9 +141,12 @@ class ExecutableStore:
             self.counts.not_saved += 1
             return compiled
         self.counts.saved += 1
+        with contextlib.suppress(OSError):
+            self._prune()
         return compiled
 
     def _prune(self) -> None:
+        """Remove the files used longest ago until the folder holds at most max_bytes."""
         files = []
         for path in self.directory.glob(f"*{SUFFIX}"):
             with contextlib.suppress(FileNotFoundError):  # another process removed it

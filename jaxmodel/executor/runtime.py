@@ -66,8 +66,8 @@ def _compiled(cfg: ModelConfig):
         state = rebuild(weights, cfg, state, *args, **kwargs)
         return state if tp is None else constrain_state(state, tp)
 
-    chain = PackedCall(keeping_state_sharding(chain, tp), static_argnames=("n_max",), name=f"draft_chain {cfg!r}")
-    return step, chain, jax.jit(rebuilt, donate_argnames="state")
+    chain_call = PackedCall(keeping_state_sharding(chain, tp), static_argnames=("n_max",), name=f"draft_chain {cfg!r}")
+    return step, chain_call, jax.jit(rebuilt, donate_argnames="state")
 
 
 class Runtime:
