@@ -128,10 +128,11 @@ MAX_TOKENS = 12
 
 def _serve(model, prompts, specs) -> tuple[list[list[int]], int]:
     """Greedy tokens of each prompt under its SpeculativeConfig (None: plain), all at once on one engine; and how
-    many step shapes it ran. One iteration per call: the loops' shapes take seconds more to compile, and an
+    many step shapes it ran. Few shapes, since each is a compile: one iteration per call (the loops' shapes take
+    seconds more), prompts fed a token a step (one length for them and decoding, one for verification); an
     executable is saved and loaded the same whatever it computes."""
     engine = Engine(model, adaptive=False, budget_bytes=2 << 20, max_running=4, row_buckets=(4,), max_model_len=64,
-                    chunk_size=16, token_budget=48, n_max=3, iterations=1)
+                    chunk_size=1, token_budget=48, n_max=3, iterations=1)
     results = generate_all(engine, [GenerationRequest(p, MAX_TOKENS, speculative=s) for p, s in zip(prompts, specs)])
     return results, len(engine.runtime._executables)
 
