@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import time
 
@@ -52,3 +53,24 @@ def copy_bandwidth(n_bytes: int = 1 << 30, repeats: int = 20) -> float:
     for _ in range(3):
         run()
     return 2 * state["x"].nbytes / median_seconds(run, repeats)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a server a benchmark or test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, processes, deadline: float) -> None:
+    """Return once something accepts on the loopback `port`; raise if one of `processes` (the servers started,
+    `subprocess.Popen` with stderr piped) ends first, or at the `time.monotonic()` deadline."""
+    while time.monotonic() < deadline:
+        for process in processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"a serving process ended ({process.returncode}): {process.stderr.read()[-4000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.02)
+    raise TimeoutError(f"nothing listens on {port}")

@@ -36,7 +36,6 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.prompts import load_prompt_set
-from bench import save_json
+from bench import free_port, save_json
 
 INSTALL_HINT = (
     "    pip install -e '.[peer]'            # builds llama.cpp from source (slow), or\n"
@@ -288,12 +287,6 @@ def check_ours(model_path: str, results: list[dict]) -> dict:
 # -------------------------------------------------------------------------------------------------- server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _http(port: int, method: str, path: str, body: dict | None = None, timeout: float = 600) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
@@ -313,7 +306,7 @@ def run_server_mode(server_bin: str, model: str, mode: str, prompts, *, threads:
                     n_max: int, draft_model: str | None, extra: list[str], log_dir: str,
                     startup_s: float = 300) -> dict:  # fmt: skip
     """Start llama-server with one speculative mode, send every prompt to /completion, stop it."""
-    port = _free_port()
+    port = free_port()
     cmd = [server_bin, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-tb", str(threads), "-c", "2048", "-np", "1", "--no-webui"]  # fmt: skip
     if mode != "none":

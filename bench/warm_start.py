@@ -16,7 +16,6 @@ import argparse
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,28 +27,10 @@ import anyio
 from api.client import Client
 from api.protocol import Tokens
 
-from . import save_json
+from . import free_port, save_json, wait_listening
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP_LINE = re.compile(r"warm-up: (\d+) step shapes ready in ([\d.]+) s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_listening(port: int, process: subprocess.Popen, deadline: float) -> None:
-    """Return once the server's port accepts; raise if the process ends first or the deadline passes."""
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server ended with {process.returncode}: {process.stderr.read()[-2000:]}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.02)
-    raise TimeoutError(f"the server did not listen on {port} in time")
 
 
 async def _first_tokens(port: int, prompt: str, max_tokens: int, spawned: float) -> tuple[float, float, int]:
@@ -66,7 +47,7 @@ async def _first_tokens(port: int, prompt: str, max_tokens: int, spawned: float)
 
 
 def one_start(args, cache: str, store: bool) -> dict:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "GDNSPEC_CACHE": cache, "GDNSPEC_STEP_STORE": "1" if store else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--max-seqs", str(args.max_seqs),
@@ -79,7 +60,7 @@ def one_start(args, cache: str, store: bool) -> dict:
     process = subprocess.Popen(command, env=env, cwd=ROOT, text=True, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
     try:
-        _wait_listening(port, process, time.monotonic() + args.timeout)
+        wait_listening(port, [process], time.monotonic() + args.timeout)
         listening = time.perf_counter() - spawned
         first, last, n = anyio.run(_first_tokens, port, args.prompt, args.max_tokens, spawned)
     finally:

@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import long_test
 
+from bench import free_port, wait_listening
 from jaxmodel.config import from_gguf
 from jaxmodel.gguf_layout import open_gguf
 from jaxmodel.sharding import check_divides, check_experts_divide, ffn_columns
@@ -461,25 +461,6 @@ def test_expert_parallelism_adds_one_all_reduce_per_moe_layer_and_no_all_to_all(
         assert not any(counts.values()), (layout, counts)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_listening(port: int, processes, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        for process in processes:
-            if process.poll() is not None:
-                raise AssertionError(f"a serving process ended ({process.returncode}): {process.stderr.read()[-4000:]}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"nothing listens on {port}")
-
-
 @long_test
 def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(report, tmp_path):
     """Two processes on loopback (`jax.distributed`, gloo CPU collectives), one host device each, one mesh of two
@@ -496,7 +477,7 @@ def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(
 
     model_path = report["paths"][ENGINE_MODEL]
     prompt, want = report["prompts"][1], report["references"][1]  # one device's plain greedy tokens
-    coordinator, port = _free_port(), _free_port()
+    coordinator, port = free_port(), free_port()
     root = Path(__file__).parent.parent
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "GDNSPEC_CACHE": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
@@ -508,7 +489,7 @@ def test_two_processes_serve_a_request_as_one_does_and_end_when_a_follower_dies(
     processes = [subprocess.Popen(command + ["--process-id", str(i)], env=env, cwd=root, text=True,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(2)]
     try:
-        _wait_listening(port, processes, time.monotonic() + 300)
+        wait_listening(port, processes, time.monotonic() + 300)
 
         async def generate():
             with anyio.fail_after(120):

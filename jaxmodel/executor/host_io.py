@@ -162,17 +162,18 @@ class PackedCall:
 
     def __call__(self, weights, state, inputs: dict, held: dict | None = None, **static):
         buffer, layout = pack(inputs)
+        shape = layout, _static_key(static)
         n_traces = self._n_traces
         store = self._store(held)
         if store is not None:
-            executable = held.get((layout, _static_key(static)))
+            executable = held.get(shape)
             if executable is None:
                 executable = self._executable(store, held, weights, state, buffer, layout, static)
             out, state = executable(weights, state, buffer)
         else:
             out, state = self._jitted(weights, state, buffer, layout=layout, **static)
         self._thread.traced = self._n_traces > n_traces
-        return unpack_host(np.asarray(out), self._out_layouts[layout, _static_key(static)]), state
+        return unpack_host(np.asarray(out), self._out_layouts[shape]), state
 
     def _named(self, name: str):
         """The call jitted as a function called `name` (jit reads the arguments' names, the donated state's among
